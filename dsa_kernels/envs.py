@@ -1,0 +1,27 @@
+"""The project's environment variables, typed, in one place (prefix ``LAYERSPLIT_``)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+KERNEL_BACKENDS = ("auto", "vendor", "triton", "torch")
+
+
+def kernel_backend() -> str:
+    """``LAYERSPLIT_KERNEL_BACKEND``: auto (default) | vendor | triton | torch."""
+    value = os.environ.get("LAYERSPLIT_KERNEL_BACKEND", "auto").strip().lower()
+    if value not in KERNEL_BACKENDS:
+        raise ValueError(f"LAYERSPLIT_KERNEL_BACKEND: expected one of {KERNEL_BACKENDS}, got {value!r}")
+    return value
+
+
+def config_dir() -> Path | None:
+    """``LAYERSPLIT_CONFIG_DIR``: a folder with ``models/`` and ``hardware/`` YAML (default: the repo's ``configs/``)."""
+    value = os.environ.get("LAYERSPLIT_CONFIG_DIR")
+    return Path(value) if value else None
+
+
+def triton_interpret() -> bool:
+    """``TRITON_INTERPRET=1`` runs Triton kernels on the CPU (Triton's own variable)."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"

@@ -1,0 +1,30 @@
+"""Sparse MLA prefill attention in absorbed form."""
+
+from __future__ import annotations
+
+import torch
+
+
+def sparse_mla_prefill(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    indices: torch.Tensor,
+    sm_scale: float,
+    kv_lora_rank: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per query token ``t`` and head ``h``, attention over the cache rows ``indices[t]``.
+
+    q ``[T, H, L + R]`` (absorbed latent query ++ rope query); kv_cache ``[S, L + R]`` bf16
+    (values are the first ``L`` columns of the same rows); indices ``[T, K]`` int32 cache slots,
+    -1 = skip. ``p = softmax(sm_scale * q . kv)`` over valid rows;
+    returns ``out [T, H, L]`` fp32 = ``p @ kv[:, :L]`` and ``lse [T, H]`` fp32 (natural log).
+    A row with no valid index gives ``out = 0``, ``lse = -inf``.
+    """
+    valid = indices >= 0  # [T, K]
+    kv = kv_cache[indices.clamp_min(0).long()].float()  # [T, K, L + R]
+    logits = torch.einsum("thd,tkd->thk", q.float(), kv) * sm_scale
+    logits = logits.masked_fill(~valid[:, None, :], float("-inf"))
+    lse = torch.logsumexp(logits, dim=-1)  # [T, H]
+    p = torch.exp(logits - lse[..., None]).nan_to_num(0.0)
+    out = torch.einsum("thk,tkl->thl", p, kv[..., :kv_lora_rank])
+    return out, lse

@@ -1,0 +1,81 @@
+"""Indexer keys <-> paged fp8 layout (64 keys of D e4m3 bytes, then 64 fp32 scales, per page)."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from dsa_kernels.layout import AMAX_FLOOR, FP8_DTYPE, FP8_MAX, PAGE_SIZE, index_head_dim_of
+from dsa_kernels.triton_ops.checks import FLOAT_DTYPES, INDEX_DTYPES, check_len, check_tensor
+
+
+@triton.jit
+def _quantize_index_keys_kernel(
+    keys_ptr, cache_f8_ptr, cache_f32_ptr, slots_ptr,
+    stride_keys, page_bytes,
+    D: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr, FMAX: tl.constexpr, FLOOR: tl.constexpr,
+):
+    row = tl.program_id(0)
+    d = tl.arange(0, BLOCK_D)
+    dmask = d < D
+    # 1. per-token scale from the fp32 amax
+    x = tl.load(keys_ptr + row * stride_keys + d, mask=dmask, other=0.0).to(tl.float32)  # [BLOCK_D]
+    scale = tl.maximum(tl.max(tl.abs(x), axis=0), FLOOR) / FMAX
+    # 2. key bytes at page * page_bytes + off * D, scale at page * page_bytes + PAGE * D + 4 * off
+    slot = tl.load(slots_ptr + row).to(tl.int64)
+    page, off = slot // PAGE, slot % PAGE
+    base = page * page_bytes
+    tl.store(cache_f8_ptr + base + off * D + d, (x / scale).to(cache_f8_ptr.dtype.element_ty), mask=dmask)
+    tl.store(cache_f32_ptr + (base + PAGE * D) // 4 + off, scale)
+
+
+@triton.jit
+def _dequantize_index_keys_kernel(
+    cache_f8_ptr, cache_f32_ptr, slots_ptr, out_ptr, page_bytes,
+    D: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr,
+):
+    row = tl.program_id(0)
+    d = tl.arange(0, BLOCK_D)
+    dmask = d < D
+    slot = tl.load(slots_ptr + row).to(tl.int64)
+    page, off = slot // PAGE, slot % PAGE
+    base = page * page_bytes
+    k = tl.load(cache_f8_ptr + base + off * D + d, mask=dmask, other=0.0).to(tl.float32)  # [BLOCK_D]
+    scale = tl.load(cache_f32_ptr + (base + PAGE * D) // 4 + off)
+    tl.store(out_ptr + row * D + d, k * scale, mask=dmask)
+
+
+def _check_cache(index_cache: torch.Tensor, slots: torch.Tensor) -> int:
+    d = index_head_dim_of(index_cache)
+    check_tensor("index_cache", index_cache, dim=2, dtypes=(torch.uint8,), device=index_cache.device)
+    check_tensor("slots", slots, dim=1, dtypes=INDEX_DTYPES, device=index_cache.device)
+    return d
+
+
+def quantize_index_keys(keys: torch.Tensor, index_cache: torch.Tensor, slots: torch.Tensor) -> None:
+    """Write ``keys [n, D]`` (fp32/bf16/fp16) as e4m3 + fp32 scale into ``index_cache`` at ``slots [n]``."""
+    d = _check_cache(index_cache, slots)
+    check_tensor("keys", keys, dim=2, dtypes=FLOAT_DTYPES, device=index_cache.device)
+    if keys.shape[1] != d:
+        raise ValueError(f"keys: expected head dim {d} (from index_cache page size), got {keys.shape[1]}")
+    check_len("slots", slots, keys.shape[0], "one slot per key")
+    if keys.shape[0] == 0:
+        return
+    _quantize_index_keys_kernel[(keys.shape[0],)](
+        keys, index_cache.view(FP8_DTYPE), index_cache.view(torch.float32), slots,
+        keys.stride(0), index_cache.shape[1],
+        D=d, BLOCK_D=triton.next_power_of_2(d), PAGE=PAGE_SIZE, FMAX=FP8_MAX, FLOOR=AMAX_FLOOR,
+    )
+
+
+def dequantize_index_keys(index_cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """Read the keys at ``slots [n]`` as fp32 ``[n, D]``."""
+    d = _check_cache(index_cache, slots)
+    out = torch.empty(slots.shape[0], d, dtype=torch.float32, device=index_cache.device)
+    if slots.shape[0]:
+        _dequantize_index_keys_kernel[(slots.shape[0],)](
+            index_cache.view(FP8_DTYPE), index_cache.view(torch.float32), slots, out, index_cache.shape[1],
+            D=d, BLOCK_D=triton.next_power_of_2(d), PAGE=PAGE_SIZE,
+        )
+    return out

@@ -1,0 +1,127 @@
+"""MLA latent rows <-> bf16 (L + R elements) or fp8 (L e4m3 + L/128 fp32 + R bf16) cache rows."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from dsa_kernels.layout import FP8_DTYPE, FP8_MAX, FP8_TILE, kv_dtype_of, mla_row_bytes
+from dsa_kernels.triton_ops.checks import FLOAT_DTYPES, INDEX_DTYPES, check_len, check_tensor
+
+
+@triton.jit
+def _pack_mla_kv_kernel(
+    kv_c_ptr, k_pe_ptr, slots_ptr, row_ptr, row_f32_ptr, row_bf16_ptr,
+    stride_c, stride_pe, row_bytes,
+    L: tl.constexpr, R: tl.constexpr, BLOCK_R: tl.constexpr,
+    FP8: tl.constexpr, TILE: tl.constexpr, N_TILES: tl.constexpr, FMAX: tl.constexpr,
+):
+    i = tl.program_id(0)
+    slot = tl.load(slots_ptr + i).to(tl.int64)
+    r = tl.arange(0, BLOCK_R)
+    pe = tl.load(k_pe_ptr + i * stride_pe + r, mask=r < R, other=0.0).to(tl.float32)  # [BLOCK_R]
+    if FP8:
+        # 1. latent: one scale per TILE elements, bytes [0, L)
+        tile = tl.arange(0, N_TILES)[:, None] * TILE + tl.arange(0, TILE)[None, :]  # [N_TILES, TILE]
+        x = tl.load(kv_c_ptr + i * stride_c + tile).to(tl.float32)
+        scale = tl.max(tl.abs(x), axis=1) / FMAX  # [N_TILES]
+        safe = tl.where(scale > 0, scale, 1.0)
+        tl.store(row_ptr + slot * row_bytes + tile, (x / safe[:, None]).to(row_ptr.dtype.element_ty))
+        # 2. scales as fp32 at bytes [L, L + 4 * N_TILES)
+        tl.store(row_f32_ptr + (slot * row_bytes + L) // 4 + tl.arange(0, N_TILES), scale)
+        # 3. rope as bf16 at bytes [L + 4 * N_TILES, row_bytes)
+        pe_base = (slot * row_bytes + L + 4 * N_TILES) // 2
+        tl.store(row_bf16_ptr + pe_base + r, pe.to(tl.bfloat16), mask=r < R)
+    else:
+        # bf16 row = latent ++ rope, row_bytes // 2 elements per row
+        for c0 in tl.static_range(0, L, TILE):
+            c = c0 + tl.arange(0, TILE)
+            x = tl.load(kv_c_ptr + i * stride_c + c, mask=c < L, other=0.0).to(tl.float32)
+            tl.store(row_bf16_ptr + slot * (row_bytes // 2) + c, x.to(tl.bfloat16), mask=c < L)
+        tl.store(row_bf16_ptr + slot * (row_bytes // 2) + L + r, pe.to(tl.bfloat16), mask=r < R)
+
+
+@triton.jit
+def _unpack_mla_kv_kernel(
+    slots_ptr, row_ptr, row_f32_ptr, row_bf16_ptr, kv_c_ptr, k_pe_ptr, row_bytes,
+    L: tl.constexpr, R: tl.constexpr, BLOCK_R: tl.constexpr,
+    FP8: tl.constexpr, TILE: tl.constexpr, N_TILES: tl.constexpr,
+):
+    i = tl.program_id(0)
+    slot = tl.load(slots_ptr + i).to(tl.int64)
+    r = tl.arange(0, BLOCK_R)
+    if FP8:
+        tile = tl.arange(0, N_TILES)[:, None] * TILE + tl.arange(0, TILE)[None, :]  # [N_TILES, TILE]
+        q = tl.load(row_ptr + slot * row_bytes + tile).to(tl.float32)
+        scale = tl.load(row_f32_ptr + (slot * row_bytes + L) // 4 + tl.arange(0, N_TILES))
+        tl.store(kv_c_ptr + i * L + tile, q * scale[:, None])
+        pe_base = (slot * row_bytes + L + 4 * N_TILES) // 2
+    else:
+        for c0 in tl.static_range(0, L, TILE):
+            c = c0 + tl.arange(0, TILE)
+            x = tl.load(row_bf16_ptr + slot * (row_bytes // 2) + c, mask=c < L, other=0.0).to(tl.float32)
+            tl.store(kv_c_ptr + i * L + c, x, mask=c < L)
+        pe_base = slot * (row_bytes // 2) + L
+    pe = tl.load(row_bf16_ptr + pe_base + r, mask=r < R, other=0.0).to(tl.float32)
+    tl.store(k_pe_ptr + i * R + r, pe, mask=r < R)
+
+
+def _views(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, bool]:
+    fp8 = kv_dtype_of(kv_cache) == "fp8"
+    raw = kv_cache.view(torch.uint8)
+    f8 = raw.view(FP8_DTYPE)
+    f32 = raw.view(torch.float32) if fp8 else f8  # unused for bf16; any valid pointer
+    return f8, f32, raw.view(torch.bfloat16), raw.shape[1], fp8
+
+
+def _check(kv_cache: torch.Tensor, slots: torch.Tensor, lat: int, rope: int) -> None:
+    kv_dtype = kv_dtype_of(kv_cache)
+    check_tensor("kv_cache", kv_cache, dim=2, dtypes=(torch.bfloat16, torch.uint8), device=kv_cache.device)
+    check_tensor("slots", slots, dim=1, dtypes=INDEX_DTYPES, device=kv_cache.device)
+    width = kv_cache.shape[1] * kv_cache.element_size()
+    if width != mla_row_bytes(lat, rope, kv_dtype):
+        raise ValueError(
+            f"kv_cache: expected rows of {mla_row_bytes(lat, rope, kv_dtype)} B for latent {lat} + rope {rope} "
+            f"({kv_dtype}), got {width} B"
+        )
+
+
+def pack_mla_kv(kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor) -> None:
+    """Write ``kv_c [n, L]`` and ``k_pe [n, R]`` into ``kv_cache`` rows ``slots [n]`` (bf16 or fp8 layout)."""
+    check_tensor("kv_c", kv_c, dim=2, dtypes=FLOAT_DTYPES, device=kv_cache.device)
+    check_tensor("k_pe", k_pe, dim=2, dtypes=FLOAT_DTYPES, device=kv_cache.device)
+    lat, rope = kv_c.shape[1], k_pe.shape[1]
+    _check(kv_cache, slots, lat, rope)
+    check_len("k_pe", k_pe, kv_c.shape[0], "one rope key per latent row")
+    check_len("slots", slots, kv_c.shape[0], "one slot per row")
+    if kv_c.shape[0] == 0:
+        return
+    f8, f32, bf16, row_bytes, fp8 = _views(kv_cache)
+    tile = FP8_TILE if fp8 else min(FP8_TILE, triton.next_power_of_2(lat))
+    _pack_mla_kv_kernel[(kv_c.shape[0],)](
+        kv_c, k_pe, slots, f8, f32, bf16, kv_c.stride(0), k_pe.stride(0), row_bytes,
+        L=lat, R=rope, BLOCK_R=triton.next_power_of_2(rope),
+        FP8=fp8, TILE=tile, N_TILES=max(1, lat // FP8_TILE), FMAX=FP8_MAX,
+    )
+
+
+def unpack_mla_kv(kv_cache: torch.Tensor, slots: torch.Tensor, kv_lora_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Read rows ``slots [n]`` as fp32 ``(kv_c [n, L], k_pe [n, R])``."""
+    fp8 = kv_dtype_of(kv_cache) == "fp8"
+    width = kv_cache.shape[1] * kv_cache.element_size()
+    lat = kv_lora_rank
+    rope = (width - lat - 4 * (lat // FP8_TILE)) // 2 if fp8 else width // 2 - lat
+    _check(kv_cache, slots, lat, rope)
+    n = slots.shape[0]
+    kv_c = torch.empty(n, lat, dtype=torch.float32, device=kv_cache.device)
+    k_pe = torch.empty(n, rope, dtype=torch.float32, device=kv_cache.device)
+    if n:
+        f8, f32, bf16, row_bytes, _ = _views(kv_cache)
+        _unpack_mla_kv_kernel[(n,)](
+            slots, f8, f32, bf16, kv_c, k_pe, row_bytes,
+            L=lat, R=rope, BLOCK_R=triton.next_power_of_2(rope),
+            FP8=fp8, TILE=FP8_TILE if fp8 else min(FP8_TILE, triton.next_power_of_2(lat)),
+            N_TILES=max(1, lat // FP8_TILE),
+        )
+    return kv_c, k_pe

@@ -1,0 +1,1 @@
+"""LayerSplit context-parallel prefill for DSA models: capacity planning, ownership, configs."""

@@ -1,0 +1,5 @@
+import sys
+
+from layersplit.cli import main
+
+sys.exit(main())

@@ -1,0 +1,91 @@
+"""KV capacity per CP rank: redundant CP (every layer on every rank) vs LayerSplit.
+
+Per-rank KV budget = ``hbm_bytes * mem_fraction - weight_bytes_per_rank``; the weight placement
+assumption is explicit: ``param_count * bytes_per_param / weight_shards`` (default: fp8 weights
+sharded evenly over the N GPUs of the CP group, as with TP/EP = N on the same GPUs).
+
+* redundant: a token costs ``sum over all layers`` of (KV + indexer key) bytes on every rank;
+* layersplit: a token costs only the rank's owned layers; the rank also reserves two scratch slots
+  (double buffer), each holding one non-owned layer's rows for ``max_batch_tokens`` tokens;
+* upstream SGLang layer split (for comparison): owned layers + one pool-sized scratch layer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from layersplit.config import HardwareConfig, ModelConfig
+from layersplit.ownership import plan_ownership
+
+WEIGHT_BYTES = {"fp8": 1.0, "bf16": 2.0, "none": 0.0}
+
+
+@dataclass(frozen=True)
+class PlanRequest:
+    cp: int
+    kv_dtype: str = "bf16"
+    max_batch_tokens: int = 131072
+    context_len: int = 131072
+    mem_fraction: float = 0.9
+    weight_dtype: str = "fp8"
+    weight_shards: int | None = None  # None: the CP size
+    ownership: str = "contiguous"
+
+
+def _check(req: PlanRequest) -> None:
+    if req.kv_dtype not in ("bf16", "fp8"):
+        raise ValueError(f"kv_dtype: expected 'bf16' or 'fp8', got {req.kv_dtype!r}")
+    if req.weight_dtype not in WEIGHT_BYTES:
+        raise ValueError(f"weight_dtype: expected one of {list(WEIGHT_BYTES)}, got {req.weight_dtype!r}")
+    if not 0 < req.mem_fraction <= 1:
+        raise ValueError(f"mem_fraction: expected 0 < value <= 1, got {req.mem_fraction}")
+    for name in ("max_batch_tokens", "context_len"):
+        if getattr(req, name) < 1:
+            raise ValueError(f"{name}: expected an integer >= 1, got {getattr(req, name)}")
+    if req.weight_shards is not None and req.weight_shards < 1:
+        raise ValueError(f"weight_shards: expected an integer >= 1, got {req.weight_shards}")
+
+
+def capacity_plan(model: ModelConfig, hw: HardwareConfig, req: PlanRequest) -> dict:
+    """All capacity numbers as one flat dict (what ``layersplit plan --json`` prints)."""
+    _check(req)
+    own = plan_ownership(model.num_layers, req.cp, req.ownership)
+    per_layer = [model.layer_bytes_per_token(layer, req.kv_dtype) for layer in range(model.num_layers)]
+    shards = req.weight_shards or req.cp
+    weight_bytes = model.param_count() * WEIGHT_BYTES[req.weight_dtype] / shards
+    budget = hw.hbm_bytes * req.mem_fraction - weight_bytes
+    if budget <= 0:
+        raise ValueError(
+            f"KV budget: expected > 0 bytes per rank, got {budget:.3e} ({hw.name} {hw.hbm_bytes:.3e} B x "
+            f"{req.mem_fraction} - weights {weight_bytes:.3e} B); use more --weight-shards or another --hardware"
+        )
+    redundant_per_token = sum(per_layer)
+    owned_per_token = max(sum(per_layer[layer] for layer in own.owned_layers(r)) for r in range(req.cp))
+    scratch_bytes = 2 * req.max_batch_tokens * max(per_layer)
+    upstream_per_token = owned_per_token + max(per_layer)
+    tokens_redundant = int(budget // redundant_per_token)
+    tokens_layersplit = max(0, int((budget - scratch_bytes) // owned_per_token))
+    tokens_upstream = int(budget // upstream_per_token)
+    rows_bytes = req.context_len * max(per_layer)
+    return {
+        "model": model.name, "hardware": hw.name, "cp": req.cp, "kv_dtype": req.kv_dtype,
+        "ownership": req.ownership, "num_layers": model.num_layers, "max_owned_layers": own.max_owned,
+        "kv_bytes_per_token_layer": model.kv_bytes_per_token(req.kv_dtype),
+        "index_bytes_per_token_layer": model.index_bytes_per_token,
+        "indexer_layers": len(model.indexer_layer_ids),
+        "bytes_per_token_redundant": redundant_per_token, "bytes_per_token_layersplit": owned_per_token,
+        "param_count": model.param_count(), "weight_dtype": req.weight_dtype, "weight_shards": shards,
+        "weight_bytes_per_rank": weight_bytes, "mem_fraction": req.mem_fraction,
+        "kv_budget_bytes_per_rank": budget, "max_batch_tokens": req.max_batch_tokens,
+        "scratch_bytes": scratch_bytes,
+        "tokens_per_rank_redundant": tokens_redundant, "tokens_per_rank_layersplit": tokens_layersplit,
+        "tokens_per_rank_upstream_layersplit": tokens_upstream,
+        "capacity_ratio": tokens_layersplit / tokens_redundant if tokens_redundant else 0.0,
+        "capacity_ratio_upstream": tokens_upstream / tokens_redundant if tokens_redundant else 0.0,
+        "capacity_ratio_ideal": redundant_per_token / owned_per_token,
+        "context_len": req.context_len,
+        "broadcast_bytes_per_layer": rows_bytes,
+        "broadcast_bytes_per_layer_upstream": tokens_upstream * max(per_layer),
+        "broadcast_seconds_per_layer_model": rows_bytes / hw.nvlink_bandwidth,
+        "request": asdict(req),
+    }

@@ -1,0 +1,116 @@
+"""``layersplit`` command line. Subcommands: ``plan`` (KV capacity per CP rank)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from layersplit.capacity import WEIGHT_BYTES, PlanRequest, capacity_plan
+from layersplit.config import ConfigError, load_hardware, load_model
+from layersplit.ownership import STRATEGIES
+
+_DEFAULTS = PlanRequest(cp=1)
+
+
+def _int_at_least(low: int):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {low}, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {low}, got {value}")
+        return value
+
+    return parse
+
+
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text!r}") from None
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {value}")
+    return value
+
+
+def _add_plan(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("plan", help="KV capacity per CP rank: redundant CP vs LayerSplit")
+    p.add_argument("--model", required=True, help="model config name (configs/models) or YAML path")
+    p.add_argument("--cp", required=True, type=_int_at_least(1), help="CP group size N")
+    p.add_argument("--hardware", required=True, help="hardware config name (configs/hardware) or YAML path")
+    p.add_argument("--kv-dtype", choices=("bf16", "fp8"), default=_DEFAULTS.kv_dtype)
+    p.add_argument("--max-batch-tokens", type=_int_at_least(1), default=_DEFAULTS.max_batch_tokens,
+                   help="context tokens one prefill batch reads (sizes each LayerSplit scratch slot)")
+    p.add_argument("--context-len", type=_int_at_least(1), default=_DEFAULTS.context_len,
+                   help="context length for the per-layer broadcast bytes")
+    p.add_argument("--mem-fraction", type=_fraction, default=_DEFAULTS.mem_fraction,
+                   help="share of HBM for weights + KV (SGLang's mem_fraction_static)")
+    p.add_argument("--weight-dtype", choices=tuple(WEIGHT_BYTES), default=_DEFAULTS.weight_dtype,
+                   help="bytes per weight: fp8 = 1, bf16 = 2, none = ignore weights")
+    p.add_argument("--weight-shards", type=_int_at_least(1), default=None,
+                   help="GPUs the weights are split over evenly (default: the CP size, i.e. TP/EP = N)")
+    p.add_argument("--ownership", choices=STRATEGIES, default=_DEFAULTS.ownership)
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=_run_plan)
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:,.2f} GiB"
+
+
+def _format_plan(r: dict) -> str:
+    rows = [
+        ("model / hardware / CP", f"{r['model']} / {r['hardware']} / {r['cp']} ranks ({r['ownership']} ownership)"),
+        ("cache bytes per token per layer", f"KV {r['kv_bytes_per_token_layer']} B ({r['kv_dtype']}) + indexer "
+                                            f"{r['index_bytes_per_token_layer']} B on {r['indexer_layers']}/{r['num_layers']} layers"),
+        ("weights per rank (assumption)", f"{r['param_count'] / 1e9:,.1f}B params x {r['weight_dtype']} / "
+                                          f"{r['weight_shards']} shards = {_gib(r['weight_bytes_per_rank'])}"),
+        ("KV budget per rank", f"{_gib(r['kv_budget_bytes_per_rank'])} (HBM x {r['mem_fraction']} - weights)"),
+        ("bytes per token, redundant CP", f"{r['bytes_per_token_redundant']:,} B (all {r['num_layers']} layers)"),
+        ("bytes per token, LayerSplit", f"{r['bytes_per_token_layersplit']:,} B ({r['max_owned_layers']} owned layers)"),
+        ("LayerSplit scratch (2 slots)", f"{_gib(r['scratch_bytes'])} for {r['max_batch_tokens']:,} batch tokens"),
+        ("tokens per rank, redundant CP", f"{r['tokens_per_rank_redundant']:,}"),
+        ("tokens per rank, LayerSplit", f"{r['tokens_per_rank_layersplit']:,}"),
+        ("tokens per rank, upstream split", f"{r['tokens_per_rank_upstream_layersplit']:,} (one pool-sized scratch layer)"),
+        ("capacity ratio", f"{r['capacity_ratio']:.3f}x  (ideal {r['capacity_ratio_ideal']:.3f}x, "
+                           f"upstream {r['capacity_ratio_upstream']:.3f}x)"),
+        (f"broadcast per layer @ {r['context_len']:,} ctx", f"{r['broadcast_bytes_per_layer'] / 1e6:,.1f} MB rows "
+                                                            f"(upstream pool-sized: {r['broadcast_bytes_per_layer_upstream'] / 1e9:,.2f} GB)"),
+        ("broadcast time per layer (model)", f"{r['broadcast_seconds_per_layer_model'] * 1e3:.3f} ms at NVLink bandwidth"),
+    ]
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+
+
+def _run_plan(args: argparse.Namespace) -> int:
+    model, hw = load_model(args.model), load_hardware(args.hardware)
+    req = PlanRequest(cp=args.cp, kv_dtype=args.kv_dtype, max_batch_tokens=args.max_batch_tokens,
+                      context_len=args.context_len, mem_fraction=args.mem_fraction, weight_dtype=args.weight_dtype,
+                      weight_shards=args.weight_shards, ownership=args.ownership)
+    result = capacity_plan(model, hw, req)
+    print(json.dumps(result) if args.json else _format_plan(result))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="layersplit", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_plan(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except (ConfigError, ValueError) as exc:
+        print(f"layersplit {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

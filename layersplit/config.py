@@ -1,0 +1,236 @@
+"""Model and hardware configs: YAML files under ``configs/`` loaded into frozen dataclasses.
+
+Every loading error names the file, the field, what was expected and what was found::
+
+    ConfigError: configs/models/glm-5.yaml: field 'num_layers': expected int >= 1, got 'many' (str)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from dsa_kernels import envs
+from dsa_kernels.layout import index_row_bytes, mla_row_bytes
+
+
+class ConfigError(ValueError):
+    """A config file is missing, malformed, or inconsistent."""
+
+
+def configs_root() -> Path:
+    """``LAYERSPLIT_CONFIG_DIR`` if set, else the repository's ``configs/``."""
+    return envs.config_dir() or Path(__file__).resolve().parents[1] / "configs"
+
+
+@dataclass(frozen=True)
+class IndexerLayers:
+    """Which layers run the lightning indexer: all, or ``leading`` first layers then every
+    ``every``-th layer from ``start`` (GLM-5.2: 0, 1, 2, then 6, 10, ..., 74)."""
+
+    leading: int
+    start: int
+    every: int
+
+    def layer_ids(self, num_layers: int) -> tuple[int, ...]:
+        rest = range(self.start, num_layers, self.every) if self.every else ()
+        return tuple(sorted(set(range(min(self.leading, num_layers))) | set(rest)))
+
+
+ALL_LAYERS = IndexerLayers(leading=1 << 30, start=0, every=0)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    name: str
+    num_layers: int
+    num_mtp_layers: int
+    hidden_size: int
+    num_heads: int
+    q_lora_rank: int
+    kv_lora_rank: int
+    qk_rope_head_dim: int
+    qk_nope_head_dim: int
+    v_head_dim: int
+    index_n_heads: int
+    index_head_dim: int
+    index_topk: int
+    indexer_layers: IndexerLayers
+    first_k_dense: int
+    n_routed_experts: int
+    num_experts_per_tok: int
+    n_shared_experts: int
+    moe_intermediate_size: int
+    intermediate_size: int
+    vocab_size: int
+
+    @property
+    def indexer_layer_ids(self) -> tuple[int, ...]:
+        return self.indexer_layers.layer_ids(self.num_layers)
+
+    def has_indexer(self, layer: int) -> bool:
+        return layer in set(self.indexer_layer_ids)
+
+    def kv_bytes_per_token(self, kv_dtype: str) -> int:
+        """MLA latent cache bytes per token per layer (1152 bf16 / 656 fp8 at 512 + 64)."""
+        return mla_row_bytes(self.kv_lora_rank, self.qk_rope_head_dim, kv_dtype)
+
+    @property
+    def index_bytes_per_token(self) -> int:
+        """Indexer-key cache bytes per token on a layer that runs the indexer (132 at D = 128)."""
+        return index_row_bytes(self.index_head_dim)
+
+    def layer_bytes_per_token(self, layer: int, kv_dtype: str) -> int:
+        return self.kv_bytes_per_token(kv_dtype) + (self.index_bytes_per_token if self.has_indexer(layer) else 0)
+
+    def param_count(self) -> int:
+        """Weights of the main layers + embeddings + head (MTP layers excluded), from the dims.
+
+        Attention: q_a, q_b, kv_a (latent + rope), kv_b, o; indexer: wq_b, wk, head weights;
+        dense MLP 3 x hidden x intermediate; MoE: (routed + shared) x 3 x hidden x moe_inter + router.
+        """
+        h, heads = self.hidden_size, self.num_heads
+        qk = self.qk_nope_head_dim + self.qk_rope_head_dim
+        attn = (h * self.q_lora_rank + self.q_lora_rank * heads * qk
+                + h * (self.kv_lora_rank + self.qk_rope_head_dim)
+                + self.kv_lora_rank * heads * (self.qk_nope_head_dim + self.v_head_dim)
+                + heads * self.v_head_dim * h)
+        indexer = (self.q_lora_rank * self.index_n_heads * self.index_head_dim
+                   + h * self.index_head_dim + h * self.index_n_heads)
+        dense = 3 * h * self.intermediate_size
+        moe = (self.n_routed_experts + self.n_shared_experts) * 3 * h * self.moe_intermediate_size
+        moe += h * self.n_routed_experts
+        n_moe = self.num_layers - self.first_k_dense
+        total = self.num_layers * attn + len(self.indexer_layer_ids) * indexer
+        total += self.first_k_dense * dense + n_moe * moe
+        return total + 2 * self.vocab_size * h
+
+
+@dataclass(frozen=True)
+class HardwareConfig:
+    name: str
+    hbm_bytes: int
+    hbm_bandwidth: float  # bytes/s
+    nvlink_bandwidth: float  # bytes/s, one direction, per GPU
+    pcie_h2d_bandwidth: float  # bytes/s, pinned host -> device
+    dense_flops_bf16: float  # FLOP/s, dense (no sparsity)
+    dense_flops_fp8: float
+
+
+def _type_name(t: Any) -> str:
+    return {int: "int", float: "number", str: "str"}.get(t, getattr(t, "__name__", str(t)))
+
+
+def _check_field(path: Path, key: str, value: Any, ftype: Any) -> Any:
+    if ftype is float and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    ok = isinstance(value, ftype) and not isinstance(value, bool)
+    if not ok:
+        raise ConfigError(f"{path}: field '{key}': expected {_type_name(ftype)}, got {value!r} ({type(value).__name__})")
+    if ftype in (int, float) and value < 0:
+        raise ConfigError(f"{path}: field '{key}': expected a value >= 0, got {value!r}")
+    return value
+
+
+def _parse_indexer_layers(path: Path, value: Any) -> IndexerLayers:
+    if value == "all":
+        return ALL_LAYERS
+    if not isinstance(value, dict) or set(value) != {"leading", "start", "every"}:
+        raise ConfigError(
+            f"{path}: field 'indexer_layers': expected 'all' or a mapping with keys leading, start, every; "
+            f"got {value!r}"
+        )
+    parsed = {k: _check_field(path, f"indexer_layers.{k}", v, int) for k, v in value.items()}
+    return IndexerLayers(**parsed)
+
+
+def _build(cls: type, path: Path, data: Any, special: dict[str, Any]) -> Any:
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping of fields, got {type(data).__name__}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - set(fields))
+    if unknown:
+        raise ConfigError(f"{path}: unknown field '{unknown[0]}' (known fields: {', '.join(fields)})")
+    missing = [k for k in fields if k not in data]
+    if missing:
+        raise ConfigError(f"{path}: field '{missing[0]}': expected a value, got nothing (field missing)")
+    types = {"int": int, "float": float, "str": str}
+    values = {}
+    for key, raw in data.items():
+        parse = special.get(key)
+        values[key] = parse(path, raw) if parse else _check_field(path, key, raw, types[fields[key].type])
+    return cls(**values)
+
+
+def _require(path: Path, cond: bool, field: str, expected: str, got: Any) -> None:
+    if not cond:
+        raise ConfigError(f"{path}: field '{field}': expected {expected}, got {got!r}")
+
+
+def _validate_model(path: Path, m: ModelConfig) -> ModelConfig:
+    positive = ["num_layers", "hidden_size", "num_heads", "q_lora_rank", "kv_lora_rank", "qk_rope_head_dim",
+                "qk_nope_head_dim", "v_head_dim", "index_n_heads", "index_head_dim", "index_topk",
+                "n_routed_experts", "num_experts_per_tok", "moe_intermediate_size", "intermediate_size", "vocab_size"]
+    for key in positive:
+        _require(path, getattr(m, key) >= 1, key, "int >= 1", getattr(m, key))
+    _require(path, m.first_k_dense < m.num_layers, "first_k_dense", f"< num_layers ({m.num_layers})", m.first_k_dense)
+    _require(path, m.num_experts_per_tok <= m.n_routed_experts, "num_experts_per_tok",
+             f"<= n_routed_experts ({m.n_routed_experts})", m.num_experts_per_tok)
+    _require(path, m.qk_rope_head_dim % 2 == 0, "qk_rope_head_dim", "an even number (rope pairs)", m.qk_rope_head_dim)
+    _require(path, m.index_head_dim % 16 == 0, "index_head_dim", "a multiple of 16", m.index_head_dim)
+    _require(path, math.log2(m.kv_lora_rank).is_integer(), "kv_lora_rank", "a power of 2", m.kv_lora_rank)
+    ids = m.indexer_layer_ids
+    _require(path, bool(ids) and ids[0] == 0, "indexer_layers", "a rule that includes layer 0 (later layers reuse "
+             "the last top-k, so the first layer must compute one)", m.indexer_layers)
+    return m
+
+
+_FOLDERS = {"model": "models", "hardware": "hardware"}
+
+
+def _resolve(kind: str, name_or_path: str | Path) -> Path:
+    path = Path(name_or_path)
+    if path.suffix in (".yaml", ".yml") or path.exists():
+        if not path.is_file():
+            raise ConfigError(f"{path}: expected a {kind} config file, got no such file")
+        return path
+    folder = configs_root() / _FOLDERS[kind]
+    path = folder / f"{name_or_path}.yaml"
+    if not path.is_file():
+        known = sorted(p.stem for p in folder.glob("*.yaml"))
+        raise ConfigError(f"{kind} '{name_or_path}': expected one of {known} or a path to a .yaml file, got no such config")
+    return path
+
+
+def _read_yaml(path: Path) -> Any:
+    try:
+        return yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: expected valid YAML, got a parse error: {exc}") from None
+
+
+def load_model(name_or_path: str | Path) -> ModelConfig:
+    """Load ``configs/models/<name>.yaml`` (or a path) into a validated :class:`ModelConfig`."""
+    path = _resolve("model", name_or_path)
+    model = _build(ModelConfig, path, _read_yaml(path), {"indexer_layers": _parse_indexer_layers})
+    return _validate_model(path, model)
+
+
+def load_hardware(name_or_path: str | Path) -> HardwareConfig:
+    """Load ``configs/hardware/<name>.yaml`` (or a path) into a validated :class:`HardwareConfig`."""
+    path = _resolve("hardware", name_or_path)
+    hw = _build(HardwareConfig, path, _read_yaml(path), {})
+    for f in dataclasses.fields(HardwareConfig):
+        if f.name != "name":
+            _require(path, getattr(hw, f.name) > 0, f.name, "a value > 0", getattr(hw, f.name))
+    return hw
+
+
+def available(kind: str) -> list[str]:
+    """Names of the shipped configs of ``kind`` ('model' or 'hardware')."""
+    return sorted(p.stem for p in (configs_root() / _FOLDERS[kind]).glob("*.yaml"))

@@ -1,0 +1,25 @@
+"""Test setup: the Triton interpreter on machines without CUDA (must be set before triton is imported)."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+BACKENDS = ("torch", "triton")
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request) -> str:
+    return request.param
+
+
+@pytest.fixture
+def device() -> torch.device:
+    return DEVICE
