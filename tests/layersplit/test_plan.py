@@ -1,0 +1,109 @@
+"""``layersplit plan``: capacity numbers from first principles, JSON/text output, CLI errors."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from layersplit.capacity import PlanRequest, capacity_plan
+from layersplit.cli import main
+from layersplit.config import load_hardware, load_model
+from layersplit.ownership import plan_ownership
+
+
+def run_json(capsys, *argv: str) -> dict:
+    assert main(["plan", *argv, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_glm5_cp8_h200_bf16(capsys):
+    r = run_json(capsys, "--model", "glm-5", "--cp", "8", "--hardware", "h200", "--kv-dtype", "bf16")
+    assert 7.0 <= r["capacity_ratio"] <= 7.8
+    assert r["max_owned_layers"] == 10 and r["capacity_ratio_ideal"] == pytest.approx(78 / 10)
+    assert r["capacity_ratio_upstream"] == pytest.approx(78 / 11, rel=1e-4)
+    assert r["bytes_per_token_redundant"] == 78 * (1152 + 132)
+    assert r["bytes_per_token_layersplit"] == 10 * (1152 + 132)
+    # first principles: (budget - 2 scratch slots) / 10 layers vs budget / 78 layers
+    budget, scratch = r["kv_budget_bytes_per_rank"], 2 * 131072 * 1284
+    assert r["scratch_bytes"] == scratch
+    assert r["tokens_per_rank_layersplit"] == int((budget - scratch) // (10 * 1284))
+    assert r["tokens_per_rank_redundant"] == int(budget // (78 * 1284))
+    assert r["broadcast_bytes_per_layer"] == 131072 * 1284
+    assert r["broadcast_bytes_per_layer"] < r["broadcast_bytes_per_layer_upstream"]
+
+
+def test_fp8_and_glm52_bytes(capsys):
+    r = run_json(capsys, "--model", "glm-5", "--cp", "8", "--hardware", "h200", "--kv-dtype", "fp8")
+    assert r["kv_bytes_per_token_layer"] == 656 and r["bytes_per_token_redundant"] == 78 * (656 + 132)
+    r = run_json(capsys, "--model", "glm-5.2", "--cp", "8", "--hardware", "h200")
+    assert r["bytes_per_token_redundant"] == 78 * 1152 + 21 * 132
+    assert r["indexer_layers"] == 21
+
+
+def test_text_output_labels_the_model(capsys):
+    assert main(["plan", "--model", "deepseek-v3.2", "--cp", "8", "--hardware", "h200"]) == 0
+    out = capsys.readouterr().out
+    assert "capacity ratio" in out and "(model)" in out and "deepseek-v3.2 / h200 / 8 ranks" in out
+
+
+def test_scratch_shrinks_ratio_with_batch_size():
+    m, hw = load_model("glm-5"), load_hardware("h200")
+    small = capacity_plan(m, hw, PlanRequest(cp=8, max_batch_tokens=8192))
+    big = capacity_plan(m, hw, PlanRequest(cp=8, max_batch_tokens=1 << 20))
+    assert big["capacity_ratio"] < small["capacity_ratio"] < small["capacity_ratio_ideal"]
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--cp", "0"], "argument --cp: expected an integer >= 1, got 0"),
+        (["--cp", "eight"], "argument --cp: expected an integer >= 1, got 'eight'"),
+        (["--cp", "8", "--mem-fraction", "1.5"], "argument --mem-fraction: expected a number in (0, 1], got 1.5"),
+        (["--cp", "8", "--kv-dtype", "fp4"], "argument --kv-dtype: invalid choice: 'fp4'"),
+    ],
+    ids=["cp-zero", "cp-word", "mem-fraction", "kv-dtype"],
+)
+def test_cli_argument_errors(capsys, argv, message):
+    with pytest.raises(SystemExit) as info:
+        main(["plan", "--model", "glm-5", "--hardware", "h200", *argv])
+    assert info.value.code == 2 and message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--model", "glm-6", "--cp", "8", "--hardware", "h200"], "model 'glm-6': expected one of"),
+        (["--model", "glm-5", "--cp", "100", "--hardware", "h200"], "cp_size: expected <= num_layers (78)"),
+        (["--model", "glm-5", "--cp", "8", "--hardware", "h800", "--weight-shards", "1"], "KV budget: expected > 0"),
+    ],
+    ids=["unknown-model", "cp-above-layers", "weights-do-not-fit"],
+)
+def test_cli_value_errors(capsys, argv, message):
+    assert main(["plan", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("layersplit plan: error:") and message in err
+
+
+@given(layers=st.integers(1, 200), cp=st.integers(1, 64), strategy=st.sampled_from(["contiguous", "round_robin"]))
+def test_ownership_covers_every_layer_once(layers, cp, strategy):
+    if cp > layers:
+        with pytest.raises(ValueError, match="cp_size: expected <= num_layers"):
+            plan_ownership(layers, cp, strategy)
+        return
+    plan = plan_ownership(layers, cp, strategy)
+    owned = [plan.owned_layers(r) for r in range(cp)]
+    assert sorted(sum(owned, ())) == list(range(layers))
+    assert max(map(len, owned)) == math.ceil(layers / cp) == plan.max_owned
+    if strategy == "contiguous":
+        assert all(list(o) == list(range(o[0], o[-1] + 1)) for o in owned)
+
+
+def test_ownership_errors():
+    with pytest.raises(ValueError, match="strategy: expected one of"):
+        plan_ownership(8, 2, "random")
+    with pytest.raises(ValueError, match="world_size: expected the CP group size 2, got 4"):
+        plan_ownership(8, 2, world_size=4)
