@@ -22,6 +22,7 @@ def sparse_mla_prefill(
     """
     valid = indices >= 0  # [T, K]
     kv = kv_cache[indices.clamp_min(0).long()].float()  # [T, K, L + R]
+    kv = kv.masked_fill(~valid[..., None], 0.0)  # skipped rows must not leak NaN/inf through 0 * x
     logits = torch.einsum("thd,tkd->thk", q.float(), kv) * sm_scale
     logits = logits.masked_fill(~valid[:, None, :], float("-inf"))
     lse = torch.logsumexp(logits, dim=-1)  # [T, H]

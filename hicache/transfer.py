@@ -1,0 +1,38 @@
+"""Page copies between two paged pools (host <-> device, or within one device), one layer part at a time.
+
+Called from a stream's worker (emulated) or under a stream context (CUDA), so every tensor op here
+is ordered on that stream. Cross-device copies stage the packed pages in a pinned buffer and
+copy them with ``non_blocking=True``; the staging tensor is returned so the caller keeps it alive
+until the stream's event for this copy has completed.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dsa_kernels import gather_pages, scatter_pages
+from hicache.paged_buffers import PagedDSABuffers
+
+
+def part_pages(pool: PagedDSABuffers, layer: int, part: str) -> torch.Tensor:
+    """``[num_pages, page_bytes]`` uint8 view of ``layer``'s ``part`` ('kv' or 'index')."""
+    if part == "kv":
+        return pool.kv_pages(layer)
+    buf = pool.index_pages(layer)
+    assert buf is not None, f"layer {layer} has no indexer-key cache"
+    return buf
+
+
+def copy_layer_part(src: PagedDSABuffers, src_pages: torch.Tensor, dst: PagedDSABuffers,
+                    dst_pages: torch.Tensor, layer: int, part: str) -> list[torch.Tensor]:
+    """``dst[layer].part[dst_pages] = src[layer].part[src_pages]``; returns the staging buffers."""
+    packed = gather_pages(part_pages(src, layer, part), src_pages.to(src.device))
+    staging = [packed]
+    if dst.device != src.device:
+        if dst.device.type == "cuda" and not packed.is_pinned():
+            packed = packed.pin_memory()  # an async H2D copy needs a pinned source
+            staging.append(packed)
+        packed = packed.to(dst.device, non_blocking=True)
+        staging.append(packed)
+    scatter_pages(packed, part_pages(dst, layer, part), dst_pages)
+    return staging
