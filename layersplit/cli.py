@@ -1,4 +1,4 @@
-"""``layersplit`` command line. Subcommands: ``plan`` (KV capacity per CP rank)."""
+"""``layersplit`` command line. Subcommands: ``plan`` (KV capacity per CP rank), ``stress hicache``."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import sys
 
 from layersplit.capacity import WEIGHT_BYTES, PlanRequest, capacity_plan
 from layersplit.config import ConfigError, load_hardware, load_model
+from layersplit import stress_cmd
 from layersplit.ownership import STRATEGIES
 
 _DEFAULTS = PlanRequest(cp=1)
@@ -99,6 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="layersplit", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     _add_plan(sub)
+    stress_cmd.add_parser(sub, _int_at_least)
     return parser
 
 
