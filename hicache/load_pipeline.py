@@ -94,10 +94,10 @@ class LayerwiseLoader:
             for fence in fences:
                 self.stream.wait_event(fence)
         src = torch.tensor(host_pages, dtype=torch.int64)
-        dst = torch.tensor(device_pages, dtype=torch.int64, device=self.device_pool.device)
+        dst = torch.tensor(device_pages, dtype=torch.int64)  # moved to the device on the load stream
         load = LayerLoad(self.host_pool.layers, list(host_pages), list(device_pages), {}, {}, self.unsafe_skip)
         if poison is not None:
-            self.stream.submit(lambda: self.device_pool.fill_pages(dst, poison), name="poison")
+            self.stream.submit(lambda: self.device_pool.fill_pages(dst.to(self.device_pool.device), poison), name="poison")
         for layer in self.host_pool.layers:
             parts = ("index", "kv") if self.host_pool.spec.has_indexer(layer) else ("kv",)
             for part in parts:

@@ -181,7 +181,7 @@ class PrefixIndex:
         stream = self.rt.stream("offload")
         if after is not None:
             stream.wait_event(after)  # hazard: the forward that wrote these pages must finish first
-        src = torch.tensor(node.device_pages, dtype=torch.int64, device=self.device_pool.device)
+        src = torch.tensor(node.device_pages, dtype=torch.int64)  # moved to the device on the offload stream
         dst = torch.tensor(node.host_pages, dtype=torch.int64)
         staging: list[torch.Tensor] = []
         for layer in self.host_pool.layers:

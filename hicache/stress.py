@@ -180,10 +180,17 @@ class _Harness:
         load = self.loader.start_loading(host_pages, dev_pages, fences, poison=POISON)
         self.host.allocator.free(host_pages)  # the load holds its own reference until it completes
         remap = dict(zip(host_pages, dev_pages))
-        table = host_table.clone().apply_(lambda p: remap.get(p, 0)).to(self.device.device)
-        moved = _Batch(*(x.to(self.device.device) if isinstance(x, torch.Tensor) else x for x in
-                         (batch.req_idx, batch.positions, batch.q_index, batch.weights, batch.q_attn)),
-                       batch.max_ctx, batch.reference)
+        host_view = host_table.clone().apply_(lambda p: remap.get(p, 0))
+        moved = _Batch(batch.req_idx, batch.positions, batch.q_index, batch.weights, batch.q_attn, batch.max_ctx,
+                       batch.reference)
+        table = {}
+
+        def stage() -> None:  # inputs reach the device on the forward stream that reads them
+            dev = self.device.device
+            moved.req_idx, moved.positions = moved.req_idx.to(dev), moved.positions.to(dev)
+            moved.q_index, moved.weights, moved.q_attn = (x.to(dev) for x in (moved.q_index, moved.weights, moved.q_attn))
+            table["pages"] = host_view.to(dev)
+        self.fwd.submit(stage, name="stage")
         self._queue_forward(moved, load, table)
         done = self.rt.event()
         done.record(self.fwd)
@@ -191,14 +198,14 @@ class _Harness:
         self.device.allocator.free(dev_pages, fence=done)  # reuse waits for this batch's forward
         return moved
 
-    def _queue_forward(self, b: _Batch, load: LayerLoad, table: torch.Tensor) -> None:
+    def _queue_forward(self, b: _Batch, load: LayerLoad, table: dict) -> None:
         spec, dev, cfg = self.spec, self.device, self.cfg
         for layer in range(spec.num_layers):
             if spec.has_indexer(layer):
                 load.wait_indexer(layer, self.fwd)  # hazard: the indexer reads this layer's keys
 
                 def indexer(layer: int = layer) -> None:
-                    _indexer_layer(b, dev.index[layer], table, cfg.topk, track_poison=True)
+                    _indexer_layer(b, dev.index[layer], table["pages"], cfg.topk, track_poison=True)
                 self.fwd.submit(indexer, name=f"indexer[{layer}]")
             load.wait_kv(layer, self.fwd)  # hazard: attention reads this layer's KV
 

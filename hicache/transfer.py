@@ -1,7 +1,8 @@
 """Page copies between two paged pools (host <-> device, or within one device), one layer part at a time.
 
 Called from a stream's worker (emulated) or under a stream context (CUDA), so every tensor op here
-is ordered on that stream. Cross-device copies stage the packed pages in a pinned buffer and
+-- including moving the page-id tensors (given on the CPU) to their devices -- is ordered on that
+stream. Cross-device copies stage the packed pages in a pinned buffer and
 copy them with ``non_blocking=True``; the staging tensor is returned so the caller keeps it alive
 until the stream's event for this copy has completed.
 """
@@ -34,5 +35,5 @@ def copy_layer_part(src: PagedDSABuffers, src_pages: torch.Tensor, dst: PagedDSA
             staging.append(packed)
         packed = packed.to(dst.device, non_blocking=True)
         staging.append(packed)
-    scatter_pages(packed, part_pages(dst, layer, part), dst_pages)
+    scatter_pages(packed, part_pages(dst, layer, part), dst_pages.to(dst.device))
     return staging
