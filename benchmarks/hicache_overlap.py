@@ -11,7 +11,7 @@ whose context sits in the host pool, it measures (median of --repeats after one 
 and prints ``pipelined / max(load, compute)`` (1.0 = perfect overlap) next to ``serial / max``.
 On a CPU the streams are emulated worker threads (2 cores here: copies and compute share them).
 
-    python benchmarks/hicache_overlap.py [--layers 8] [--pages 64] [--queries 8] [--json]
+    python benchmarks/hicache_overlap.py [--layers 8] [--pages 256] [--queries 2] [--threads 1] [--json]
 """
 
 from __future__ import annotations
@@ -123,24 +123,29 @@ class Bench:
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--layers", type=int, default=8)
-    p.add_argument("--pages", type=int, default=64, help="context pages (64 tokens each) loaded per layer")
-    p.add_argument("--queries", type=int, default=8, help="query tokens in the batch")
-    p.add_argument("--heads", type=int, default=16, help="attention heads (GLM-5: 64; fewer keeps CPU runs short)")
+    p.add_argument("--pages", type=int, default=256, help="context pages (64 tokens each) loaded per layer")
+    p.add_argument("--queries", type=int, default=2, help="query tokens in the batch")
+    p.add_argument("--heads", type=int, default=8, help="attention heads (GLM-5: 64; fewer balances load and compute on a CPU)")
     p.add_argument("--index-heads", type=int, default=32)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--runtime", choices=("auto", "emulated", "cuda"), default="auto")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch intra-op threads (default 1: each emulated stream gets its own core; 0 = torch's default)")
     p.add_argument("--json", action="store_true")
     return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     result = Bench(args).run()
     if args.json:
         print(json.dumps(result))
     else:
         print(f"HiCache overlap ({result['runtime']} streams, measured), {result['layers']} layers, "
-              f"{result['context_tokens']} context tokens, {result['queries']} queries, median of {result['repeats']}")
+              f"{result['context_tokens']} context tokens, {result['queries']} queries, "
+              f"{torch.get_num_threads()} torch thread(s), median of {result['repeats']}")
         print(f"  load alone      {result['load_s'] * 1e3:8.2f} ms  ({result['load_GBps']:.2f} GB/s)")
         print(f"  compute alone   {result['compute_s'] * 1e3:8.2f} ms  ({result['compute_GFLOPps']:.1f} GFLOP/s)")
         print(f"  serial          {result['serial_s'] * 1e3:8.2f} ms  = {result['serial_over_max']:.3f} x max(load, compute)")
