@@ -6,7 +6,8 @@ sharded evenly over the N GPUs of the CP group, as with TP/EP = N on the same GP
 
 * redundant: a token costs ``sum over all layers`` of (KV + indexer key) bytes on every rank;
 * layersplit: a token costs only the rank's owned layers; the rank also reserves two scratch slots
-  (double buffer), each holding one non-owned layer's rows for ``max_batch_tokens`` tokens;
+  (double buffer), each holding one non-owned layer's rows for ``max_batch_tokens`` tokens (in
+  whole pages: ``ceil(T / 64) + max_requests`` pages, as ``layersplit.cp_pool`` allocates them);
 * upstream SGLang layer split (for comparison): owned layers + one pool-sized scratch layer.
 """
 
@@ -18,6 +19,13 @@ from layersplit.config import HardwareConfig, ModelConfig
 from layersplit.ownership import plan_ownership
 
 WEIGHT_BYTES = {"fp8": 1.0, "bf16": 2.0, "none": 0.0}
+PAGE_SIZE = 64
+
+
+def scratch_pages_for(max_batch_tokens: int, max_requests: int) -> int:
+    """Pages of one scratch slot: any batch of ``max_batch_tokens`` context tokens in at most
+    ``max_requests`` requests (each request may end in a partial page)."""
+    return -(-max_batch_tokens // PAGE_SIZE) + max_requests
 
 
 @dataclass(frozen=True)
@@ -25,6 +33,7 @@ class PlanRequest:
     cp: int
     kv_dtype: str = "bf16"
     max_batch_tokens: int = 131072
+    max_requests: int = 8
     context_len: int = 131072
     mem_fraction: float = 0.9
     weight_dtype: str = "fp8"
@@ -39,7 +48,7 @@ def _check(req: PlanRequest) -> None:
         raise ValueError(f"weight_dtype: expected one of {list(WEIGHT_BYTES)}, got {req.weight_dtype!r}")
     if not 0 < req.mem_fraction <= 1:
         raise ValueError(f"mem_fraction: expected 0 < value <= 1, got {req.mem_fraction}")
-    for name in ("max_batch_tokens", "context_len"):
+    for name in ("max_batch_tokens", "context_len", "max_requests"):
         if getattr(req, name) < 1:
             raise ValueError(f"{name}: expected an integer >= 1, got {getattr(req, name)}")
     if req.weight_shards is not None and req.weight_shards < 1:
@@ -61,7 +70,7 @@ def capacity_plan(model: ModelConfig, hw: HardwareConfig, req: PlanRequest) -> d
         )
     redundant_per_token = sum(per_layer)
     owned_per_token = max(sum(per_layer[layer] for layer in own.owned_layers(r)) for r in range(req.cp))
-    scratch_bytes = 2 * req.max_batch_tokens * max(per_layer)
+    scratch_bytes = 2 * scratch_pages_for(req.max_batch_tokens, req.max_requests) * PAGE_SIZE * max(per_layer)
     upstream_per_token = owned_per_token + max(per_layer)
     tokens_redundant = int(budget // redundant_per_token)
     tokens_layersplit = max(0, int((budget - scratch_bytes) // owned_per_token))

@@ -1,4 +1,5 @@
-"""``layersplit`` command line. Subcommands: ``plan`` (KV capacity per CP rank), ``stress hicache``."""
+"""``layersplit`` command line. Subcommands: ``plan`` (KV capacity per CP rank), ``prefill`` (CP engine),
+``stress hicache``."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import sys
 
 from layersplit.capacity import WEIGHT_BYTES, PlanRequest, capacity_plan
 from layersplit.config import ConfigError, load_hardware, load_model
-from layersplit import stress_cmd
+from layersplit import prefill_cmd, stress_cmd
 from layersplit.ownership import STRATEGIES
 
 _DEFAULTS = PlanRequest(cp=1)
@@ -53,6 +54,8 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
                    help="bytes per weight: fp8 = 1, bf16 = 2, none = ignore weights")
     p.add_argument("--weight-shards", type=_int_at_least(1), default=None,
                    help="GPUs the weights are split over evenly (default: the CP size, i.e. TP/EP = N)")
+    p.add_argument("--max-requests", type=_int_at_least(1), default=_DEFAULTS.max_requests,
+                   help="requests per prefill batch (each may end in a partial scratch page)")
     p.add_argument("--ownership", choices=STRATEGIES, default=_DEFAULTS.ownership)
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=_run_plan)
@@ -89,6 +92,7 @@ def _format_plan(r: dict) -> str:
 def _run_plan(args: argparse.Namespace) -> int:
     model, hw = load_model(args.model), load_hardware(args.hardware)
     req = PlanRequest(cp=args.cp, kv_dtype=args.kv_dtype, max_batch_tokens=args.max_batch_tokens,
+                      max_requests=args.max_requests,
                       context_len=args.context_len, mem_fraction=args.mem_fraction, weight_dtype=args.weight_dtype,
                       weight_shards=args.weight_shards, ownership=args.ownership)
     result = capacity_plan(model, hw, req)
@@ -101,6 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     _add_plan(sub)
     stress_cmd.add_parser(sub, _int_at_least)
+    prefill_cmd.add_parser(sub, _int_at_least)
     return parser
 
 

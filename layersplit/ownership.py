@@ -1,7 +1,7 @@
 """Which CP rank owns (stores the KV cache of) each layer.
 
 ``contiguous`` matches upstream SGLang's layer-split pool: rank r owns one block of consecutive
-layers, the first ``L % N`` ranks one layer more. ``round_robin`` gives layer l to rank ``l % N``,
+layers, the first ``L % N`` ranks one layer more. ``round-robin`` gives layer l to rank ``l % N``,
 which spreads the owners of neighbouring layers (useful when prefetching one layer ahead).
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-STRATEGIES = ("contiguous", "round_robin")
+STRATEGIES = ("contiguous", "round-robin")
 
 
 @dataclass(frozen=True)
@@ -34,6 +34,7 @@ def plan_ownership(num_layers: int, cp_size: int, strategy: str = "contiguous", 
         raise ValueError(f"cp_size: expected an integer >= 1, got {cp_size!r}")
     if cp_size > num_layers:
         raise ValueError(f"cp_size: expected <= num_layers ({num_layers}) so every rank owns a layer, got {cp_size}")
+    strategy = strategy.replace("-", "_")  # the CLI spells it round-robin
     if world_size is not None and world_size != cp_size:
         raise ValueError(f"world_size: expected the CP group size {cp_size}, got {world_size}")
     if strategy == "contiguous":

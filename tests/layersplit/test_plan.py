@@ -88,7 +88,7 @@ def test_cli_value_errors(capsys, argv, message):
     assert err.startswith("layersplit plan: error:") and message in err
 
 
-@given(layers=st.integers(1, 200), cp=st.integers(1, 64), strategy=st.sampled_from(["contiguous", "round_robin"]))
+@given(layers=st.integers(1, 200), cp=st.integers(1, 64), strategy=st.sampled_from(["contiguous", "round-robin", "round_robin"]))
 def test_ownership_covers_every_layer_once(layers, cp, strategy):
     if cp > layers:
         with pytest.raises(ValueError, match="cp_size: expected <= num_layers"):

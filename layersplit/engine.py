@@ -1,0 +1,214 @@
+"""One CP rank's prefill of a batch whose cached prefixes are already in the pools.
+
+Per layer ``l`` (``layersplit`` mode; ``redundant`` skips every broadcast and scratch step):
+
+1. project the rank's new tokens; all-gather every rank's new rows (bf16 KV + index key);
+2. owner of ``l``: writes the new rows into its pool and reads the pool. Non-owner: waits for the
+   **indexer-key broadcast** of ``l`` (issued one layer earlier), writes the new index keys into
+   the scratch slot and runs the indexer + top-k — the **KV broadcast** keeps landing meanwhile —
+   then waits for the KV broadcast, writes the new KV rows, runs sparse attention;
+3. output projection; then **layer l+1's broadcasts are issued before layer l's MLP**, so they
+   travel under the MLP (and, for the KV, under the next indexer);
+4. MLP.
+
+Layers without an indexer reuse the last top-k (positions, mapped through this layer's table).
+The owner gathers only the batch's prefix pages (``plan.bcast_pages``) and, when its prefix rows of
+``l`` are still loading from its host tier, waits for that layer's load events first.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from dsa_kernels import (gather_pages, indexer_scores, pack_mla_kv, positions_to_slots, quantize_index_keys,
+                         sparse_mla_prefill, topk_indices)
+from hicache.host_pool import DSAHostPool
+from hicache.load_pipeline import LayerwiseLoader
+from hicache.streams import Event, Runtime
+from layersplit.batch_plan import BatchPlan, Request, plan_batch
+from layersplit.comm import CPComm
+from layersplit.config import ModelConfig, cache_spec
+from layersplit.capacity import scratch_pages_for
+from layersplit.cp_pool import CPPool, ReadBuffers
+from layersplit.model import Projections, TinyDSA
+from layersplit.ownership import plan_ownership
+from layersplit.trace import Tracer
+
+POISON = 0xFF
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    mode: str = "layersplit"
+    cp: int = 1
+    ownership: str = "contiguous"
+    split: str = "zigzag"
+    pool_pages: int = 256  # pool capacity (pages of 64 tokens per held layer)
+    max_batch_tokens: int = 16384  # sizes each scratch slot
+    max_requests: int = 8
+    kv_dtype: str = "bf16"
+    weight_seed: int = 0
+    prefix_seed: int = 1
+    hicache_delay_s: float = 0.0  # > 0: prefix rows reload from the host tier with random stalls
+    unsafe_skip_coherence: bool = False  # UNSAFE: broadcast without waiting for the HiCache load
+    trace: bool = True
+
+
+@dataclass
+class RankResult:
+    rank: int
+    hidden: torch.Tensor  # [n_local, hidden]
+    local: torch.Tensor  # global new-token indices of ``hidden``'s rows
+    seconds: float
+    kv_bytes: dict[str, int]
+    bcast_bytes: dict[int, int] = field(default_factory=dict)  # layer -> bytes this rank sent or received
+    trace: list[dict] = field(default_factory=list)
+
+
+def prefix_rows(spec, request_id: int, layer: int, n: int, seed: int) -> tuple[torch.Tensor, ...]:
+    """Deterministic cached-prefix contents of one request and layer: (kv_c, k_pe, index_k)."""
+    g = torch.Generator().manual_seed(seed * 1_000_003 + request_id * 1009 + layer)
+    return (torch.randn(n, spec.kv_lora_rank, generator=g), torch.randn(n, spec.rope_dim, generator=g),
+            torch.randn(n, spec.index_head_dim, generator=g))
+
+
+def fill_prefix(buffers, layers, plan: BatchPlan, seed: int) -> None:
+    """Write every request's cached prefix rows of ``layers`` into ``buffers`` (pool page ids)."""
+    for b, req in enumerate(plan.requests):
+        if req.prefix_len == 0:
+            continue
+        pos = torch.arange(req.prefix_len)
+        slots = plan.pool_table[b, pos // 64].long() * 64 + pos % 64
+        for layer in layers:
+            kv_c, k_pe, index_k = prefix_rows(buffers.spec, b, layer, req.prefix_len, seed)
+            buffers.set_mla_kv_buffer(layer, slots, kv_c, k_pe)
+            if buffers.spec.has_indexer(layer):
+                buffers.set_index_k_buffer(layer, slots, index_k)
+
+
+class RankEngine:
+    def __init__(self, model_cfg: ModelConfig, cfg: EngineConfig, rank: int, runtime: Runtime) -> None:
+        self.cfg, self.rank, self.rt = cfg, rank, runtime
+        self.model = TinyDSA(model_cfg, cfg.weight_seed)
+        self.spec = cache_spec(model_cfg, cfg.kv_dtype)
+        self.topk = model_cfg.index_topk
+        self.own = plan_ownership(model_cfg.num_layers, cfg.cp, cfg.ownership)
+        self.pool = CPPool(cfg.mode, self.spec, cfg.pool_pages, rank, self.own,
+                           scratch_pages_for(cfg.max_batch_tokens, cfg.max_requests), runtime.device)
+        self.tracer = Tracer(rank, cfg.trace)
+        self.comm = CPComm(runtime, rank, cfg.cp, self.tracer)
+
+    # waits: the compute thread is the forward stream on CPU --------------------------------------
+    def _wait(self, name: str, event: Event | None, layer: int) -> None:
+        if event is None:
+            return
+        with self.tracer.span(f"wait {name}", layer=layer):
+            if self.rt.kind == "cuda":
+                torch.cuda.current_stream().wait_event(event._event)
+            else:
+                event.synchronize()
+
+    # HiCache: the owner's prefix rows reload from its (layer-split) host tier ---------------------
+    def _start_hicache(self, plan: BatchPlan):
+        host = DSAHostPool(self.spec, self.cfg.pool_pages, layers=self.pool.pool.layers)
+        host.allocator.alloc(self.cfg.pool_pages)  # page ids mirror the device pool's
+        fill_prefix(host, host.layers, plan, self.cfg.prefix_seed)
+        pages = sorted({p for b, r in enumerate(plan.requests) for p in plan.pool_pages[b][: -(-r.prefix_len // 64)]})
+        self.pool.pool.fill_pages(torch.tensor(pages, dtype=torch.int64), POISON)
+        lim = self.cfg.hicache_delay_s
+        rng = torch.Generator().manual_seed(self.cfg.prefix_seed + self.rank)
+        self.rt.delay_hook = lambda s, op: float(torch.rand(1, generator=rng)) * lim if s == "load" and op[0] in "ik" else 0.0
+        return LayerwiseLoader(self.rt, self.pool.pool, host).start_loading(pages, pages)
+
+    # broadcasts --------------------------------------------------------------------------------------
+    def _issue_bcast(self, layer: int, plan: BatchPlan, load) -> dict[str, Event]:
+        if self.cfg.mode != "layersplit" or plan.n_bcast == 0 or self.cfg.cp == 1:
+            return {}
+        owner = self.own.owner[layer]
+        events = {}
+        for part in ("index", "kv") if self.spec.has_indexer(layer) else ("kv",):
+            src_pages = (self.pool.pool.index.get(layer) if part == "index" else
+                         self.pool.pool.kv_pages(layer) if self.pool.holds(layer) else None)
+            recv = None if owner == self.rank else self.pool.slot_pages(layer, part)[: plan.n_bcast]
+            after = []
+            if load is not None and owner == self.rank and not self.cfg.unsafe_skip_coherence:
+                # hazard: never broadcast rows still loading from host
+                after = [(load.indexer_ready if part == "index" else load.kv_ready)[layer]]
+            events[part] = self.comm.broadcast(
+                f"bcast_{part}[{layer}]", owner, lambda s=src_pages: gather_pages(s, plan.bcast_pages), recv,
+                after, layer=layer)
+            page_bytes = self.spec.index_page_bytes if part == "index" else 64 * self.spec.kv_row_bytes
+            self._bcast_bytes[layer] = self._bcast_bytes.get(layer, 0) + plan.n_bcast * page_bytes
+        return events
+
+    # one layer -----------------------------------------------------------------------------------
+    def _gather_new_rows(self, layer: int, p: Projections, plan: BatchPlan) -> tuple[Event, list[torch.Tensor]]:
+        width = self.spec.kv_lora_rank + self.spec.rope_dim + self.spec.index_head_dim
+        n_max = max(len(x) for x in plan.local)
+        local = torch.zeros(n_max, width, dtype=torch.bfloat16)
+        local[: len(p.kv_c)] = torch.cat([p.kv_c, p.k_pe, p.index_k], dim=1).to(torch.bfloat16)
+        out = [torch.empty_like(local) for _ in range(self.cfg.cp)]
+        return self.comm.all_gather(f"allgather_new[{layer}]", local, out, layer=layer), out
+
+    def _rows(self, out: list[torch.Tensor], plan: BatchPlan) -> torch.Tensor:
+        rows = torch.empty(len(plan.new_req), out[0].shape[1], dtype=torch.bfloat16)
+        for r, idx in enumerate(plan.local):
+            rows[idx] = out[r][: len(idx)]
+        return rows
+
+    def _layer(self, layer: int, h, pos, req, plan: BatchPlan, bcast: dict, load, state: dict):
+        spec, owner_here = self.spec, self.pool.holds(layer)
+        lat, rope = spec.kv_lora_rank, spec.rope_dim
+        p = self.model.project(layer, h, pos)
+        ev_new, out = self._gather_new_rows(layer, p, plan)
+        rb: ReadBuffers = self.pool.read_buffers(layer, plan)
+        if owner_here and load is not None:  # the load writes whole pages: new rows go in after it
+            self._wait(f"hicache_kv[{layer}]", load.kv_ready[layer], layer)
+        self._wait(f"allgather_new[{layer}]", ev_new, layer)
+        rows = self._rows(out, plan)
+        if spec.has_indexer(layer):
+            if not owner_here:
+                self._wait(f"bcast_index[{layer}]", bcast.get("index"), layer)
+            quantize_index_keys(rows[:, lat + rope:], rb.index, rb.new_slots)
+            with self.tracer.span(f"indexer[{layer}]", layer=layer):
+                scores = indexer_scores(p.q_index, p.index_weights, rb.index, rb.table, req, pos, plan.max_ctx)
+                state["top"] = topk_indices(scores, self.topk)
+        if not owner_here:
+            self._wait(f"bcast_kv[{layer}]", bcast.get("kv"), layer)
+        pack_mla_kv(rows[:, :lat], rows[:, lat:lat + rope], rb.kv, rb.new_slots)
+        with self.tracer.span(f"attention[{layer}]", layer=layer):
+            slots = positions_to_slots(state["top"], rb.table, req)
+            out_lat, _ = sparse_mla_prefill(p.q_attn, rb.kv, slots, self.model.sm_scale, lat)
+        return self.model.attention_out(layer, h, out_lat)
+
+    def prefill(self, requests: list[Request]) -> RankResult:
+        """Prefill ``requests`` (prefixes cached) and return this rank's new-token hidden states."""
+        plan = plan_batch(requests, self.pool.pool.allocator.alloc, self.cfg.cp, self.cfg.split)
+        self.pool.check_fits(plan)
+        self._bcast_bytes: dict[int, int] = {}
+        load = None
+        if self.cfg.hicache_delay_s > 0:
+            load = self._start_hicache(plan)
+        else:
+            fill_prefix(self.pool.pool, self.pool.pool.layers, plan, self.cfg.prefix_seed)
+        loc = plan.local[self.rank]
+        pos, req = plan.new_pos[loc], plan.new_req[loc]
+        start = time.perf_counter()
+        h = self.model.embed_tokens(plan.new_tokens[loc])
+        bcast, state = self._issue_bcast(0, plan, load), {}
+        for layer in range(self.spec.num_layers):
+            h = self._layer(layer, h, pos, req, plan, bcast, load, state)
+            if layer + 1 < self.spec.num_layers:
+                bcast = self._issue_bcast(layer + 1, plan, load)  # prefetch before this layer's MLP
+            with self.tracer.span(f"mlp[{layer}]", layer=layer):
+                h = self.model.mlp(layer, h)
+        h = self.model.final_norm(h)
+        self.comm.stream.synchronize()
+        seconds = time.perf_counter() - start
+        for b in range(len(requests)):
+            self.pool.pool.allocator.free(plan.pool_pages[b])
+        return RankResult(self.rank, h, loc, seconds, self.pool.kv_bytes(), dict(self._bcast_bytes),
+                          list(self.tracer.events))

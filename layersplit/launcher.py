@@ -1,0 +1,117 @@
+"""Run the CP prefill engine in N real processes (gloo on CPU, NCCL on CUDA) or in-process.
+
+``run_cp`` spawns one process per rank, runs every scenario in order on all ranks, and returns the
+per-scenario results (hidden states reassembled in global new-token order). ``run_reference`` is
+the single-process path (one rank, redundant pool, no communication) the CP runs are checked against.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass, replace
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from hicache.streams import get_runtime
+from layersplit.batch_plan import Request
+from layersplit.config import ModelConfig
+from layersplit.engine import EngineConfig, RankEngine, RankResult
+
+
+@dataclass
+class Scenario:
+    name: str
+    requests: list[Request]
+    cfg: EngineConfig
+    model: ModelConfig | None = None  # None: the model given to run_cp / run_reference
+
+
+@dataclass
+class CPResult:
+    name: str
+    hidden: torch.Tensor  # [n_new, hidden], global order
+    ranks: list[RankResult]
+
+    @property
+    def seconds(self) -> float:
+        return max(r.seconds for r in self.ranks)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _merge(name: str, results: list[RankResult]) -> CPResult:
+    n = sum(len(r.local) for r in results)
+    hidden = torch.empty(n, results[0].hidden.shape[1])
+    for r in results:
+        hidden[r.local] = r.hidden
+    return CPResult(name, hidden, sorted(results, key=lambda r: r.rank))
+
+
+def _run_rank(model: ModelConfig, scenarios: list[Scenario], rank: int) -> list[RankResult]:
+    out = []
+    for sc in scenarios:
+        rt = get_runtime("cuda" if torch.cuda.is_available() else "emulated")
+        try:
+            out.append(RankEngine(sc.model or model, sc.cfg, rank, rt).prefill(sc.requests))
+        finally:
+            rt.close()
+    return out
+
+
+def _worker(rank: int, world: int, port: int, model: ModelConfig, scenarios: list[Scenario], queue) -> None:
+    torch.set_num_threads(1)  # N ranks share the machine's cores
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        queue.put((rank, _run_rank(model, scenarios, rank), None))
+    except Exception as exc:  # report instead of hanging the parent
+        import traceback
+        queue.put((rank, None, traceback.format_exc()))
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+def run_cp(model: ModelConfig, scenarios: list[Scenario], cp: int, timeout_s: float = 600) -> list[CPResult]:
+    """Run ``scenarios`` (all with ``cfg.cp == cp``) on ``cp`` spawned rank processes."""
+    for sc in scenarios:
+        if sc.cfg.cp != cp:
+            raise ValueError(f"scenario {sc.name}: expected cfg.cp == {cp}, got {sc.cfg.cp}")
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_worker, args=(r, cp, port, model, scenarios, queue), daemon=True) for r in range(cp)]
+    for p in procs:
+        p.start()
+    by_rank = {}
+    try:
+        for _ in range(cp):
+            rank, results, error = queue.get(timeout=timeout_s)
+            if error:
+                raise RuntimeError(f"rank {rank} failed:\n{error}")
+            by_rank[rank] = results
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    return [_merge(sc.name, [by_rank[r][i] for r in range(cp)]) for i, sc in enumerate(scenarios)]
+
+
+def run_reference(model: ModelConfig, scenario: Scenario) -> CPResult:
+    """The single-process reference: one rank, every layer in its pool, nothing communicated."""
+    cfg = replace(scenario.cfg, cp=1, mode="redundant", hicache_delay_s=0.0, unsafe_skip_coherence=False)
+    single = Scenario(scenario.name, scenario.requests, cfg, scenario.model)
+    return _merge(scenario.name, _run_rank(model, [single], 0))
+
+
+os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # spawned ranks talk over loopback
