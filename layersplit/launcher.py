@@ -7,6 +7,7 @@ the single-process path (one rank, redundant pool, no communication) the CP runs
 
 from __future__ import annotations
 
+import io
 import os
 import socket
 from dataclasses import dataclass, replace
@@ -72,7 +73,10 @@ def _worker(rank: int, world: int, port: int, model: ModelConfig, scenarios: lis
         torch.cuda.set_device(rank % torch.cuda.device_count())
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
-        queue.put((rank, _run_rank(model, scenarios, rank), None))
+        # plain bytes: tensors sent through a queue as shared memory die with this process
+        buf = io.BytesIO()
+        torch.save(_run_rank(model, scenarios, rank), buf)
+        queue.put((rank, buf.getvalue(), None))
     except Exception as exc:  # report instead of hanging the parent
         import traceback
         queue.put((rank, None, traceback.format_exc()))
@@ -98,7 +102,7 @@ def run_cp(model: ModelConfig, scenarios: list[Scenario], cp: int, timeout_s: fl
             rank, results, error = queue.get(timeout=timeout_s)
             if error:
                 raise RuntimeError(f"rank {rank} failed:\n{error}")
-            by_rank[rank] = results
+            by_rank[rank] = torch.load(io.BytesIO(results), weights_only=False)
     finally:
         for p in procs:
             p.join(timeout=30)
