@@ -1,0 +1,55 @@
+"""Control channel with seeded faults: delay, drop, duplicate (a later re-send), and reordering
+across endpoints. Each (sender, receiver) endpoint pair stays FIFO, as a TCP/ZMQ socket does."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from typing import Callable
+
+from pd.sim import EventLoop
+
+
+@dataclass(frozen=True)
+class ChannelFaults:
+    min_delay_s: float = 0.0005
+    max_delay_s: float = 0.02
+    drop: float = 0.0  # probability a message is lost
+    duplicate: float = 0.0  # probability a message is sent again later
+    duplicate_after_s: float = 0.5  # the re-send happens up to this much later
+
+    def __post_init__(self) -> None:
+        for name in ("drop", "duplicate"):
+            if not 0 <= getattr(self, name) < 1:
+                raise ValueError(f"{name}: expected a probability in [0, 1), got {getattr(self, name)}")
+        if not 0 <= self.min_delay_s <= self.max_delay_s:
+            raise ValueError(f"delays: expected 0 <= min_delay_s <= max_delay_s, got {self.min_delay_s}, {self.max_delay_s}")
+
+
+class ControlChannel:
+    def __init__(self, loop: EventLoop, rng: random.Random, faults: ChannelFaults) -> None:
+        self.loop, self.rng, self.faults = loop, rng, faults
+        self._handlers: dict[str, Callable] = {}
+        self._last: dict[tuple[str, str], float] = {}  # latest delivery time per endpoint pair
+        self.stats = {"sent": 0, "dropped": 0, "duplicated": 0, "delivered": 0}
+
+    def register(self, endpoint: str, handler: Callable) -> None:
+        self._handlers[endpoint] = handler
+
+    def send(self, src: str, dst: str, msg: object, duplicate_ok: bool = True) -> None:
+        f = self.faults
+        self.stats["sent"] += 1
+        if duplicate_ok and self.rng.random() < f.duplicate:
+            self.stats["duplicated"] += 1
+            self.loop.after(self.rng.uniform(0, f.duplicate_after_s), self.send, src, dst, msg, False)
+        if self.rng.random() < f.drop:
+            self.stats["dropped"] += 1
+            return
+        at = self.loop.now + self.rng.uniform(f.min_delay_s, f.max_delay_s)
+        at = max(at, self._last.get((src, dst), 0.0))  # FIFO per endpoint pair
+        self._last[(src, dst)] = at
+        self.loop.after(at - self.loop.now, self._deliver, dst, msg)
+
+    def _deliver(self, dst: str, msg: object) -> None:
+        self.stats["delivered"] += 1
+        self._handlers[dst](msg)

@@ -1,0 +1,30 @@
+"""A seeded discrete-event loop: the virtual clock the PD nodes, the transfer engine and the
+control channel share. Same seed, same run: every race the stress test finds can be replayed."""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from typing import Callable
+
+
+class EventLoop:
+    def __init__(self) -> None:
+        self.now = 0.0
+        self._queue: list = []
+        self._seq = itertools.count()
+
+    def after(self, delay: float, fn: Callable, *args) -> None:
+        """Run ``fn(*args)`` ``delay`` seconds of virtual time from now."""
+        assert delay >= 0, f"delay must be >= 0, got {delay}"
+        heapq.heappush(self._queue, (self.now + delay, next(self._seq), fn, args))
+
+    def run(self, until: float | None = None) -> None:
+        """Process events in time order (FIFO among equal times) until none is left (or ``until``)."""
+        while self._queue and (until is None or self._queue[0][0] <= until):
+            self.now, _, fn, args = heapq.heappop(self._queue)
+            fn(*args)
+
+    @property
+    def pending(self) -> int:
+        return len(self._queue)
