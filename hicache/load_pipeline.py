@@ -44,6 +44,7 @@ class LayerLoad:
     kv_ready: dict[int, Event]
     unsafe_skip: frozenset[str] = frozenset()
     staging: list[torch.Tensor] = field(default_factory=list)  # kept alive until the copies completed
+    bytes_copied: int = 0  # host -> device bytes moved so far (written by the load stream)
 
     def wait_indexer(self, layer: int, stream: Stream) -> None:
         """Make ``stream`` wait until ``layer``'s indexer keys are on the device."""
@@ -110,7 +111,9 @@ class LayerwiseLoader:
 
     def _copy(self, load: LayerLoad, src: torch.Tensor, dst: torch.Tensor, layer: int, part: str):
         def run() -> None:
-            load.staging.extend(copy_layer_part(self.host_pool, src, self.device_pool, dst, layer, part))
+            staged = copy_layer_part(self.host_pool, src, self.device_pool, dst, layer, part)
+            load.bytes_copied += staged[0].numel()
+            load.staging.extend(staged)
         return run
 
     def reclaim(self) -> int:

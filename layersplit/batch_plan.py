@@ -22,8 +22,9 @@ SPLITS = ("interleave", "zigzag")
 
 @dataclass(frozen=True)
 class Request:
-    prefix_len: int  # cached tokens already in the pools (any length, not only whole pages)
+    prefix_len: int  # cached tokens (any length, not only whole pages)
     new_tokens: tuple[int, ...]  # token ids to prefill
+    from_host: bool = False  # the prefix sits in the host tier and is reloaded layer by layer
 
 
 @dataclass

@@ -9,7 +9,7 @@ import sys
 
 from layersplit.capacity import WEIGHT_BYTES, PlanRequest, capacity_plan
 from layersplit.config import ConfigError, load_hardware, load_model
-from layersplit import prefill_cmd, stress_cmd
+from layersplit import prefill_cmd, stress_cmd, sweep_cmd
 from layersplit.ownership import STRATEGIES
 
 _DEFAULTS = PlanRequest(cp=1)
@@ -106,6 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_plan(sub)
     stress_cmd.add_parser(sub, _int_at_least)
     prefill_cmd.add_parser(sub, _int_at_least)
+    sweep_cmd.add_parser(sub, _int_at_least)
     return parser
 
 

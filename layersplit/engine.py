@@ -66,6 +66,8 @@ class RankResult:
     kv_bytes: dict[str, int]
     bcast_bytes: dict[int, int] = field(default_factory=dict)  # layer -> bytes this rank sent or received
     trace: list[dict] = field(default_factory=list)
+    reload_bytes: int = 0  # host-tier bytes this rank copied to its device pool (measured)
+    bcast_wait_s: float = 0.0  # compute time spent waiting for broadcasts (exposed communication)
 
 
 def prefix_rows(spec, request_id: int, layer: int, n: int, seed: int) -> tuple[torch.Tensor, ...]:
@@ -75,10 +77,11 @@ def prefix_rows(spec, request_id: int, layer: int, n: int, seed: int) -> tuple[t
             torch.randn(n, spec.index_head_dim, generator=g))
 
 
-def fill_prefix(buffers, layers, plan: BatchPlan, seed: int) -> None:
-    """Write every request's cached prefix rows of ``layers`` into ``buffers`` (pool page ids)."""
+def fill_prefix(buffers, layers, plan: BatchPlan, seed: int, only: list[int] | None = None) -> None:
+    """Write the cached prefix rows of ``layers`` of the requests ``only`` (default all) into
+    ``buffers`` at their pool page ids."""
     for b, req in enumerate(plan.requests):
-        if req.prefix_len == 0:
+        if req.prefix_len == 0 or (only is not None and b not in only):
             continue
         pos = torch.arange(req.prefix_len)
         slots = plan.pool_table[b, pos // 64].long() * 64 + pos % 64
@@ -111,17 +114,23 @@ class RankEngine:
             else:
                 event.synchronize()
 
-    # HiCache: the owner's prefix rows reload from its (layer-split) host tier ---------------------
-    def _start_hicache(self, plan: BatchPlan):
+    # HiCache: prefix rows reload from this rank's (layer-split) host tier ---------------------------
+    def _host_requests(self, plan: BatchPlan) -> list[int]:
+        everything = self.cfg.hicache_delay_s > 0  # the coherence test reloads every prefix
+        return [b for b, r in enumerate(plan.requests) if r.prefix_len and (r.from_host or everything)]
+
+    def _prepare_host(self, plan: BatchPlan, host_reqs: list[int]) -> tuple[DSAHostPool, list[int]]:
+        """Host pool holding this rank's layers of the host-tier prefixes; device pages poisoned."""
         host = DSAHostPool(self.spec, self.cfg.pool_pages, layers=self.pool.pool.layers)
         host.allocator.alloc(self.cfg.pool_pages)  # page ids mirror the device pool's
-        fill_prefix(host, host.layers, plan, self.cfg.prefix_seed)
-        pages = sorted({p for b, r in enumerate(plan.requests) for p in plan.pool_pages[b][: -(-r.prefix_len // 64)]})
+        fill_prefix(host, host.layers, plan, self.cfg.prefix_seed, only=host_reqs)
+        pages = sorted({p for b in host_reqs for p in plan.pool_pages[b][: -(-plan.requests[b].prefix_len // 64)]})
         self.pool.pool.fill_pages(torch.tensor(pages, dtype=torch.int64), POISON)
-        lim = self.cfg.hicache_delay_s
-        rng = torch.Generator().manual_seed(self.cfg.prefix_seed + self.rank)
-        self.rt.delay_hook = lambda s, op: float(torch.rand(1, generator=rng)) * lim if s == "load" and op[0] in "ik" else 0.0
-        return LayerwiseLoader(self.rt, self.pool.pool, host).start_loading(pages, pages)
+        if self.cfg.hicache_delay_s > 0:
+            lim = self.cfg.hicache_delay_s
+            rng = torch.Generator().manual_seed(self.cfg.prefix_seed + self.rank)
+            self.rt.delay_hook = lambda s, op: float(torch.rand(1, generator=rng)) * lim if s == "load" and op[0] in "ik" else 0.0
+        return host, pages
 
     # broadcasts --------------------------------------------------------------------------------------
     def _issue_bcast(self, layer: int, plan: BatchPlan, load) -> dict[str, Event]:
@@ -189,14 +198,14 @@ class RankEngine:
         plan = plan_batch(requests, self.pool.pool.allocator.alloc, self.cfg.cp, self.cfg.split)
         self.pool.check_fits(plan)
         self._bcast_bytes: dict[int, int] = {}
-        load = None
-        if self.cfg.hicache_delay_s > 0:
-            load = self._start_hicache(plan)
-        else:
-            fill_prefix(self.pool.pool, self.pool.pool.layers, plan, self.cfg.prefix_seed)
+        host_reqs = self._host_requests(plan)
+        device_reqs = [b for b in range(len(requests)) if b not in host_reqs]
+        fill_prefix(self.pool.pool, self.pool.pool.layers, plan, self.cfg.prefix_seed, only=device_reqs)
+        host = self._prepare_host(plan, host_reqs) if host_reqs else None
         loc = plan.local[self.rank]
         pos, req = plan.new_pos[loc], plan.new_req[loc]
-        start = time.perf_counter()
+        start = time.perf_counter()  # timed from here: host-tier reloads included
+        load = LayerwiseLoader(self.rt, self.pool.pool, host[0]).start_loading(host[1], host[1]) if host else None
         h = self.model.embed_tokens(plan.new_tokens[loc])
         bcast, state = self._issue_bcast(0, plan, load), {}
         for layer in range(self.spec.num_layers):
@@ -210,5 +219,8 @@ class RankEngine:
         seconds = time.perf_counter() - start
         for b in range(len(requests)):
             self.pool.pool.allocator.free(plan.pool_pages[b])
+        if load is not None:
+            load.kv_ready[self.pool.pool.layers[-1]].synchronize()
+        waits = sum(e["dur"] for e in self.tracer.events if e["name"].startswith("wait bcast")) / 1e6
         return RankResult(self.rank, h, loc, seconds, self.pool.kv_bytes(), dict(self._bcast_bytes),
-                          list(self.tracer.events))
+                          list(self.tracer.events), load.bytes_copied if load else 0, waits)

@@ -1,0 +1,125 @@
+"""Cost model of one prefill batch on N GPUs (default GLM-5 on 8 x H200). Everything it returns is
+MODELLED, not measured.
+
+Per layer and rank, with the batch's new tokens split evenly over the N CP ranks and weights split
+over the same N GPUs (TP/EP = N):
+
+* projections + MLP/MoE: ``2 * active_params(l) * tokens / N`` FLOPs at fp8 peak x GEMM efficiency
+  ``e_max * m / (m + m_half)``, ``m`` = rows per expert GEMM (small batches under-fill experts);
+* lightning indexer: ``2 * H_I * D * sum_i new_i * (prefix_i + new_i / 2) / N`` FLOPs (causal) at
+  fp8 peak x ``e_indexer``;
+* sparse MLA: ``2 * H * min(top-k, ctx) * (L + R + L)`` FLOPs per new token at bf16 peak x ``e_attn``;
+* host-tier reload: each rank copies the prefix pages of its held layers over PCIe, layer by layer
+  on a load stream that runs ahead of compute (the layer's compute waits for its load);
+* LayerSplit: the owner broadcasts the batch's prefix rows of layer ``l`` over NVLink once its load
+  of ``l`` is done and layer ``l-1``'s attention ended (issued before ``l-1``'s MLP); the indexer
+  waits for the index part, attention for the KV part; waiting time is *exposed communication*;
+* both modes all-gather the new tokens' cache rows before attention (not overlapped).
+
+Sources: GEMM ``e_max`` 0.78 — DeepGEMM's README reports up to ~1550 fp8 TFLOP/s on H800 (peak 1979);
+``e_attn`` 0.65 — FlashMLA's README reports up to 640 TFLOP/s for sparse prefill on H800 (peak 989);
+NVLink efficiency 380/450 — DESIGN.md section 2 (measured ~380 GB/s of 450 per direction). Assumed
+(no public measurement at hand): ``m_half`` = 128 rows, ``e_indexer`` = 0.5.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from layersplit.capacity import PAGE_SIZE
+from layersplit.config import HardwareConfig, ModelConfig
+from layersplit.serving import Batch
+from layersplit.workload import ModeBytes
+
+
+@dataclass(frozen=True)
+class Efficiency:
+    gemm_max: float = 0.78
+    gemm_half_rows: int = 128
+    indexer: float = 0.5
+    attention: float = 0.65
+    nvlink: float = 380 / 450
+
+
+@dataclass
+class BatchCost:
+    seconds: float
+    exposed_comm_s: float
+    reload_bytes_per_rank: int  # max over ranks
+    bcast_bytes: int  # summed over layers (what each non-owner receives)
+
+
+def pages_rows(tokens: int) -> int:
+    return -(-tokens // PAGE_SIZE) * PAGE_SIZE
+
+
+class CostModel:
+    def __init__(self, model: ModelConfig, hw: HardwareConfig, cp: int, kv_dtype: str, mb: ModeBytes,
+                 eff: Efficiency = Efficiency()) -> None:
+        self.m, self.hw, self.cp, self.mb, self.eff = model, hw, cp, mb, eff
+        self.per_layer = [model.layer_bytes_per_token(layer, kv_dtype) for layer in range(model.num_layers)]
+        self.kv_bytes = model.kv_bytes_per_token(kv_dtype)
+        self.owner = {layer: r for r, held in enumerate(mb.held_layers) for layer in held} if mb.mode == "layersplit" else {}
+
+    def _params(self, layer: int) -> tuple[float, float]:
+        """(attention-side, MLP-side) active parameters of ``layer``."""
+        m = self.m
+        qk = m.qk_nope_head_dim + m.qk_rope_head_dim
+        attn = (m.hidden_size * m.q_lora_rank + m.q_lora_rank * m.num_heads * qk
+                + m.hidden_size * (m.kv_lora_rank + m.qk_rope_head_dim)
+                + m.kv_lora_rank * m.num_heads * (m.qk_nope_head_dim + m.v_head_dim) + m.num_heads * m.v_head_dim * m.hidden_size)
+        if m.has_indexer(layer):
+            attn += m.q_lora_rank * m.index_n_heads * m.index_head_dim + m.hidden_size * (m.index_head_dim + m.index_n_heads)
+        if layer < m.first_k_dense:
+            return attn, 3 * m.hidden_size * m.intermediate_size
+        return attn, (m.num_experts_per_tok + m.n_shared_experts) * 3 * m.hidden_size * m.moe_intermediate_size
+
+    def _gemm_s(self, flops: float, rows: float) -> float:
+        e = self.eff.gemm_max * rows / (rows + self.eff.gemm_half_rows)
+        return flops / (self.hw.dense_flops_fp8 * e) if flops else 0.0
+
+    def batch(self, batch: Batch) -> BatchCost:
+        m, cp, hw = self.m, self.cp, self.hw
+        new = batch.new_tokens
+        reqs = [(s.req.prefix if s.tier != "miss" else 0, s.prefill_tokens, s.tier) for s in batch.served]
+        reload_rows = sum(pages_rows(p) for p, _, tier in reqs if tier == "L2")
+        bcast_rows = sum(pages_rows(p) for p, _, _ in reqs) if self.owner and cp > 1 else 0
+        moe_rows = new * m.num_experts_per_tok / m.n_routed_experts
+        nv = hw.nvlink_bandwidth * self.eff.nvlink
+        loads = {}
+        for r, held in enumerate(self.mb.held_layers):  # each rank's load stream, from t = 0
+            t = 0.0
+            for layer in held:
+                t += reload_rows * self.per_layer[layer] / hw.pcie_h2d_bandwidth
+                loads[(r, layer)] = t
+        end, exposed_max = 0.0, 0.0
+        for r in range(cp):
+            t, exposed, issue = 0.0, 0.0, 0.0
+            for layer in range(m.num_layers):
+                p_attn, p_mlp = self._params(layer)
+                t += self._gemm_s(2 * p_attn * new / cp, new / cp)
+                t += new * self.per_layer[layer] * (cp - 1) / cp / nv  # all-gather of the new rows
+                owner = self.owner.get(layer, r)
+                ready = loads.get((owner, layer), 0.0)
+                idx_ready = kv_ready = ready
+                if owner != r and bcast_rows:
+                    start = max(issue, ready)
+                    idx_bytes = bcast_rows * (self.per_layer[layer] - self.kv_bytes)
+                    idx_ready = start + idx_bytes / nv
+                    kv_ready = idx_ready + bcast_rows * self.kv_bytes / nv
+                if m.has_indexer(layer):
+                    exposed += max(0.0, idx_ready - t) if owner != r else 0.0
+                    t = max(t, idx_ready)
+                    flops = sum(2 * m.index_n_heads * m.index_head_dim * n * (p + n / 2) for p, n, _ in reqs) / cp
+                    t += flops / (hw.dense_flops_fp8 * self.eff.indexer)
+                exposed += max(0.0, kv_ready - t) if owner != r else 0.0
+                t = max(t, kv_ready)
+                attn = sum(2 * m.num_heads * min(m.index_topk, p + n) * (2 * m.kv_lora_rank + m.qk_rope_head_dim) * n
+                           for p, n, _ in reqs) / cp
+                t += attn / (hw.dense_flops_bf16 * self.eff.attention)
+                issue = t  # layer l+1's broadcast is issued before this layer's MLP
+                t += self._gemm_s(2 * p_mlp * new / cp, moe_rows if layer >= m.first_k_dense else new / cp)
+            end, exposed_max = max(end, t), max(exposed_max, exposed)
+        reload = max(reload_rows * sum(self.per_layer[layer] for layer in held) for held in self.mb.held_layers)
+        bcast = bcast_rows * sum(self.per_layer)
+        return BatchCost(end, exposed_max, reload, bcast)

@@ -1,0 +1,59 @@
+"""Sweep configs (``configs/sweeps/*.yaml``) as a frozen dataclass, validated like the model configs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from layersplit.config import ConfigError, _build, _read_yaml, configs_root
+
+ENGINES = ("real", "model")
+
+
+@dataclass(frozen=True)
+class SweepConfig:
+    name: str
+    engine: str
+    model: str
+    hardware: str
+    cp: int
+    kv_dtype: str
+    lengths: tuple[int, ...]
+    new_fraction: float
+    sessions: int
+    requests: int
+    seed: int
+    scale: float
+    max_batch_tokens: int
+    max_batch_context: int
+    max_batch_requests: int
+    device_kv_bytes_per_rank: float  # 0: derive from the capacity plan
+    host_bytes_per_rank: float
+
+    def scaled(self, tokens: int) -> int:
+        return max(1, round(tokens * self.scale))
+
+
+def _lengths(path: Path, value) -> tuple[int, ...]:
+    if not isinstance(value, list) or not value or not all(isinstance(v, int) and v > 1 for v in value):
+        raise ConfigError(f"{path}: field 'lengths': expected a non-empty list of integers > 1, got {value!r}")
+    return tuple(value)
+
+
+def load_sweep(name_or_path: str | Path) -> SweepConfig:
+    """``configs/sweeps/<name>.yaml`` or a path."""
+    path = Path(name_or_path)
+    if not path.suffix:
+        path = configs_root() / "sweeps" / f"{name_or_path}.yaml"
+    if not path.is_file():
+        known = sorted(p.stem for p in (configs_root() / "sweeps").glob("*.yaml"))
+        raise ConfigError(f"sweep '{name_or_path}': expected one of {known} or a YAML path, got no such file")
+    cfg = _build(SweepConfig, path, _read_yaml(path), {"lengths": _lengths})
+    checks = [("engine", cfg.engine in ENGINES, f"one of {ENGINES}"), ("cp", cfg.cp >= 1, "an integer >= 1"),
+              ("new_fraction", 0 < cfg.new_fraction <= 1, "a number in (0, 1]"),
+              ("scale", 0 < cfg.scale <= 1, "a number in (0, 1]"), ("sessions", cfg.sessions >= 1, ">= 1"),
+              ("requests", cfg.requests >= 1, ">= 1"), ("kv_dtype", cfg.kv_dtype in ("bf16", "fp8"), "bf16 or fp8")]
+    for field_name, ok, expected in checks:
+        if not ok:
+            raise ConfigError(f"{path}: field '{field_name}': expected {expected}, got {getattr(cfg, field_name)!r}")
+    return cfg

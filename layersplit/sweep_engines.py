@@ -1,0 +1,55 @@
+"""The sweep's two engines: both take the serving loop's batches and return one cost per batch.
+
+* ``RealEngine`` runs every batch on the CP prefill engine (spawned ranks, gloo on CPU / NCCL on
+  CUDA): L1 prefixes sit in the device pools, L2 prefixes are reloaded by the HiCache load pipeline
+  from each rank's host tier (its held layers), misses recompute the prefix. Times are measured.
+* ``ModelEngine`` prices the same batches with :class:`layersplit.cost_model.CostModel` (modelled).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from layersplit.batch_plan import Request
+from layersplit.config import ModelConfig
+from layersplit.cost_model import BatchCost, CostModel, pages_rows
+from layersplit.engine import EngineConfig
+from layersplit.launcher import Scenario, run_cp
+from layersplit.serving import Batch
+
+
+class RealEngine:
+    measured = True
+
+    def __init__(self, model: ModelConfig, cp: int, kv_dtype: str, seed: int) -> None:
+        self.model, self.cp, self.kv_dtype, self.seed = model, cp, kv_dtype, seed
+
+    def _scenario(self, i: int, batch: Batch, mode: str) -> Scenario:
+        g = torch.Generator().manual_seed(self.seed * 7919 + i)
+        reqs = []
+        for s in batch.served:
+            prefix = 0 if s.tier == "miss" else s.req.prefix
+            tokens = tuple(torch.randint(0, self.model.vocab_size, (s.prefill_tokens,), generator=g).tolist())
+            reqs.append(Request(prefix, tokens, from_host=s.tier == "L2"))
+        pages = sum(-(-(r.prefix_len + len(r.new_tokens)) // 64) for r in reqs)
+        cfg = EngineConfig(mode=mode, cp=self.cp, pool_pages=pages, max_batch_tokens=pages * 64,
+                           max_requests=len(reqs), kv_dtype=self.kv_dtype, trace=True)
+        return Scenario(f"batch{i}", reqs, cfg)
+
+    def run(self, batches: list[Batch], mode: str) -> list[BatchCost]:
+        results = run_cp(self.model, [self._scenario(i, b, mode) for i, b in enumerate(batches)], self.cp)
+        return [BatchCost(r.seconds, max(x.bcast_wait_s for x in r.ranks), max(x.reload_bytes for x in r.ranks),
+                          sum(r.ranks[0].bcast_bytes.values())) for r in results]
+
+
+class ModelEngine:
+    measured = False
+
+    def __init__(self, cost: dict[str, CostModel]) -> None:
+        self.cost = cost
+
+    def run(self, batches: list[Batch], mode: str) -> list[BatchCost]:
+        return [self.cost[mode].batch(b) for b in batches]
+
+
+__all__ = ["RealEngine", "ModelEngine", "pages_rows"]
