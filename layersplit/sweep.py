@@ -121,7 +121,7 @@ def plot(points: list[dict], cfg: SweepConfig, path: Path) -> None:
             ax.annotate(f"{p['gain_pct']:+.0f}%", (p["length"] / 1000, p["request_tokens_per_s"]),
                         textcoords="offset points", xytext=(0, 7), ha="center", fontsize=8)
     ax2 = ax.twinx()
-    ax2.plot([40, 120], [SEED_GAIN[40000], SEED_GAIN[120000]], "k--", alpha=0.5, label="seed's gain (+10% ... +132%)")
+    ax2.plot([40, 120], [SEED_GAIN[40000], SEED_GAIN[120000]], "k--", alpha=0.5, label="seed's gain (+10% at 40k, +132% at 120k; line between)")
     ax2.plot([p["length"] / 1000 for p in points if p["mode"] == "layersplit"],
              [p["gain_pct"] for p in points if p["mode"] == "layersplit"], "g:", alpha=0.7, label="our gain")
     ax2.set_ylabel("gain over redundant CP (%)")
@@ -130,7 +130,7 @@ def plot(points: list[dict], cfg: SweepConfig, path: Path) -> None:
     ax.set_title(f"{cfg.model} CP{cfg.cp} on {cfg.hardware}: {kind}, 90% prefix reuse")
     lines = ax.get_legend_handles_labels()
     lines2 = ax2.get_legend_handles_labels()
-    ax.legend(lines[0] + lines2[0], lines[1] + lines2[1], fontsize=8, loc="upper left")
+    ax.legend(lines[0] + lines2[0], lines[1] + lines2[1], fontsize=8, loc="lower left")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
