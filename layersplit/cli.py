@@ -1,5 +1,5 @@
 """``layersplit`` command line. Subcommands: ``plan`` (KV capacity per CP rank), ``prefill`` (CP engine),
-``stress hicache``."""
+``sweep`` (the 40k-120k throughput sweep), ``stress hicache|pd``, ``monitor replay|eval``."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import sys
 
 from layersplit.capacity import WEIGHT_BYTES, PlanRequest, capacity_plan
 from layersplit.config import ConfigError, load_hardware, load_model
-from layersplit import prefill_cmd, stress_cmd, sweep_cmd
+from layersplit import monitor_cmd, prefill_cmd, stress_cmd, sweep_cmd
 from layersplit.ownership import STRATEGIES
 
 _DEFAULTS = PlanRequest(cp=1)
@@ -107,6 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
     stress_cmd.add_parser(sub, _int_at_least)
     prefill_cmd.add_parser(sub, _int_at_least)
     sweep_cmd.add_parser(sub, _int_at_least)
+    monitor_cmd.add_parser(sub, _int_at_least)
     return parser
 
 

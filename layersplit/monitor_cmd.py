@@ -1,0 +1,51 @@
+"""``layersplit monitor``: the speculative-decoding anomaly monitor (pd/) from the command line.
+
+* ``monitor replay FILE.jsonl [--json]``: verdicts for recorded requests (SGLang meta_info or per-step traces);
+* ``monitor eval [--json] [--requests N] [--seed S]``: SYNTHETIC precision / recall / FPR / tokens-to-detect of
+  the monitor, a threshold sweep and a regex/charset text baseline.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+
+def add_parser(sub: argparse._SubParsersAction, int_at_least) -> None:
+    p = sub.add_parser("monitor", help="spec-decoding anomaly monitor: replay recorded requests, evaluate")
+    which = p.add_subparsers(dest="action", required=True)
+    r = which.add_parser("replay", help="judge recorded requests (JSONL: SGLang meta_info or per-step traces)")
+    r.add_argument("file", help="JSONL file, one request per line")
+    r.add_argument("--config", default=None, help="monitor YAML (default configs/monitor.yaml)")
+    r.add_argument("--json", action="store_true", help="print one JSON object")
+    r.set_defaults(func=run_replay)
+    e = which.add_parser("eval", help="SYNTHETIC evaluation on labelled traces from a tiny draft/target pair")
+    e.add_argument("--requests", type=int_at_least(1), default=24, help="requests per regime (default 24)")
+    e.add_argument("--seed", type=int, default=0)
+    e.add_argument("--config", default=None, help="monitor YAML (default configs/monitor.yaml)")
+    e.add_argument("--json", action="store_true", help="print one JSON object")
+    e.set_defaults(func=run_eval)
+
+
+def run_replay(args: argparse.Namespace) -> int:
+    from pd.monitor_config import default_config_path, load_monitor_config
+    from pd.replay import format_results, load_records, replay, summarize
+
+    cfg = load_monitor_config(args.config)
+    results = replay(load_records(args.file), cfg)
+    summary = summarize(results)
+    if args.json:
+        print(json.dumps({"file": str(args.file), "config": str(args.config or default_config_path()),
+                          "results": [r.to_dict() for r in results], "summary": summary}))
+    else:
+        print(format_results(results, summary))
+    return 0
+
+
+def run_eval(args: argparse.Namespace) -> int:
+    from pd.monitor_config import load_monitor_config
+    from pd.spec_eval import format_report, run_eval as evaluate
+
+    report = evaluate(load_monitor_config(args.config), requests_per_regime=args.requests, seed=args.seed)
+    print(json.dumps(report) if args.json else format_report(report))
+    return 0

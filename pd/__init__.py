@@ -1,0 +1,1 @@
+"""Prefill<->decode integrity: abort safe-release protocol, transfer-engine model, spec-decoding anomaly monitor."""
