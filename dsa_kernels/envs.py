@@ -25,3 +25,13 @@ def config_dir() -> Path | None:
 def triton_interpret() -> bool:
     """``TRITON_INTERPRET=1`` runs Triton kernels on the CPU (Triton's own variable)."""
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def sglang_plugin_enabled() -> bool:
+    """``LAYERSPLIT_SGLANG_PLUGIN=1`` turns the SGLang plug-in on (off by default: it then changes nothing)."""
+    return os.environ.get("LAYERSPLIT_SGLANG_PLUGIN", "0").strip().lower() in ("1", "true", "yes", "on")
+
+
+def sglang_ownership() -> str:
+    """``LAYERSPLIT_SGLANG_OWNERSHIP``: contiguous (default, upstream's split) | round-robin."""
+    return os.environ.get("LAYERSPLIT_SGLANG_OWNERSHIP", "contiguous").strip().lower()

@@ -42,6 +42,14 @@ class BatchPlan:
     local: list[torch.Tensor]  # per rank: global indices of its new tokens
     max_ctx: int
 
+    def to(self, device) -> "BatchPlan":
+        """The same plan with its tensors on ``device`` (built on the host, used where the caches live)."""
+        import dataclasses
+
+        moved = {f.name: getattr(self, f.name).to(device) for f in dataclasses.fields(self)
+                 if isinstance(getattr(self, f.name), torch.Tensor)}
+        return dataclasses.replace(self, **moved, local=[x.to(device) for x in self.local])
+
     @property
     def n_bcast(self) -> int:
         return int(self.bcast_pages.numel())

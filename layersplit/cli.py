@@ -1,5 +1,6 @@
 """``layersplit`` command line. Subcommands: ``plan`` (KV capacity per CP rank), ``prefill`` (CP engine),
-``sweep`` (the 40k-120k throughput sweep), ``stress hicache|pd``, ``monitor replay|eval``."""
+``sweep`` (the 40k-120k throughput sweep), ``stress hicache|pd``, ``monitor replay|eval``,
+``gpu-check`` (the prepared GPU check)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import sys
 
 from layersplit.capacity import WEIGHT_BYTES, PlanRequest, capacity_plan
 from layersplit.config import ConfigError, load_hardware, load_model
-from layersplit import monitor_cmd, prefill_cmd, stress_cmd, sweep_cmd
+from layersplit import gpu_check_cmd, monitor_cmd, prefill_cmd, stress_cmd, sweep_cmd
 from layersplit.ownership import STRATEGIES
 
 _DEFAULTS = PlanRequest(cp=1)
@@ -108,6 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
     prefill_cmd.add_parser(sub, _int_at_least)
     sweep_cmd.add_parser(sub, _int_at_least)
     monitor_cmd.add_parser(sub, _int_at_least)
+    gpu_check_cmd.add_parser(sub, _int_at_least)
     return parser
 
 

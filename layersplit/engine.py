@@ -83,10 +83,10 @@ def fill_prefix(buffers, layers, plan: BatchPlan, seed: int, only: list[int] | N
     for b, req in enumerate(plan.requests):
         if req.prefix_len == 0 or (only is not None and b not in only):
             continue
-        pos = torch.arange(req.prefix_len)
-        slots = plan.pool_table[b, pos // 64].long() * 64 + pos % 64
+        pos = torch.arange(req.prefix_len, device=plan.pool_table.device)
+        slots = (plan.pool_table[b, pos // 64].long() * 64 + pos % 64).to(buffers.device)
         for layer in layers:
-            kv_c, k_pe, index_k = prefix_rows(buffers.spec, b, layer, req.prefix_len, seed)
+            kv_c, k_pe, index_k = (x.to(buffers.device) for x in prefix_rows(buffers.spec, b, layer, req.prefix_len, seed))
             buffers.set_mla_kv_buffer(layer, slots, kv_c, k_pe)
             if buffers.spec.has_indexer(layer):
                 buffers.set_index_k_buffer(layer, slots, index_k)
@@ -95,7 +95,7 @@ def fill_prefix(buffers, layers, plan: BatchPlan, seed: int, only: list[int] | N
 class RankEngine:
     def __init__(self, model_cfg: ModelConfig, cfg: EngineConfig, rank: int, runtime: Runtime) -> None:
         self.cfg, self.rank, self.rt = cfg, rank, runtime
-        self.model = TinyDSA(model_cfg, cfg.weight_seed)
+        self.model = TinyDSA(model_cfg, cfg.weight_seed, runtime.device)
         self.spec = cache_spec(model_cfg, cfg.kv_dtype)
         self.topk = model_cfg.index_topk
         self.own = plan_ownership(model_cfg.num_layers, cfg.cp, cfg.ownership)
@@ -157,13 +157,13 @@ class RankEngine:
     def _gather_new_rows(self, layer: int, p: Projections, plan: BatchPlan) -> tuple[Event, list[torch.Tensor]]:
         width = self.spec.kv_lora_rank + self.spec.rope_dim + self.spec.index_head_dim
         n_max = max(len(x) for x in plan.local)
-        local = torch.zeros(n_max, width, dtype=torch.bfloat16)
+        local = torch.zeros(n_max, width, dtype=torch.bfloat16, device=p.kv_c.device)
         local[: len(p.kv_c)] = torch.cat([p.kv_c, p.k_pe, p.index_k], dim=1).to(torch.bfloat16)
         out = [torch.empty_like(local) for _ in range(self.cfg.cp)]
         return self.comm.all_gather(f"allgather_new[{layer}]", local, out, layer=layer), out
 
     def _rows(self, out: list[torch.Tensor], plan: BatchPlan) -> torch.Tensor:
-        rows = torch.empty(len(plan.new_req), out[0].shape[1], dtype=torch.bfloat16)
+        rows = torch.empty(len(plan.new_req), out[0].shape[1], dtype=torch.bfloat16, device=out[0].device)
         for r, idx in enumerate(plan.local):
             rows[idx] = out[r][: len(idx)]
         return rows
@@ -197,6 +197,7 @@ class RankEngine:
         """Prefill ``requests`` (prefixes cached) and return this rank's new-token hidden states."""
         plan = plan_batch(requests, self.pool.pool.allocator.alloc, self.cfg.cp, self.cfg.split)
         self.pool.check_fits(plan)
+        plan = plan.to(self.rt.device)
         self._bcast_bytes: dict[int, int] = {}
         host_reqs = self._host_requests(plan)
         device_reqs = [b for b in range(len(requests)) if b not in host_reqs]
@@ -222,5 +223,5 @@ class RankEngine:
         if load is not None:
             load.kv_ready[self.pool.pool.layers[-1]].synchronize()
         waits = sum(e["dur"] for e in self.tracer.events if e["name"].startswith("wait bcast")) / 1e6
-        return RankResult(self.rank, h, loc, seconds, self.pool.kv_bytes(), dict(self._bcast_bytes),
+        return RankResult(self.rank, h.cpu(), loc.cpu(), seconds, self.pool.kv_bytes(), dict(self._bcast_bytes),
                           list(self.tracer.events), load.bytes_copied if load else 0, waits)

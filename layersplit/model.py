@@ -50,7 +50,7 @@ class Projections:
 
 
 class TinyDSA:
-    def __init__(self, cfg: ModelConfig, seed: int = 0) -> None:
+    def __init__(self, cfg: ModelConfig, seed: int = 0, device: torch.device | str = "cpu") -> None:
         self.cfg = cfg
         g = torch.Generator().manual_seed(seed)
 
@@ -75,6 +75,9 @@ class TinyDSA:
             for _ in range(c.num_layers)
         ]
         self.sm_scale = 1.0 / math.sqrt(qk)
+        # weights are drawn on the CPU (same values on every device), then moved
+        self.embed = self.embed.to(device)
+        self.layers = [{k: v.to(device) for k, v in p.items()} for p in self.layers]
 
     def embed_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.embed[tokens]

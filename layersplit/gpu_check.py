@@ -1,0 +1,772 @@
+"""One prepared GPU check: prove and time every CUDA path in one command, inside a fixed time budget.
+
+Sections (each a function returning a dict; one that raises is recorded as failed and the run goes on):
+
+1. ``environment``     device, torch / triton / CUDA versions, vendor kernels importable, H200 peaks;
+2. ``kernels``         every ``dsa_kernels`` op through each backend (vendor where importable, Triton,
+                       torch reference = the oracle) on GLM-5-sized shapes, checked with the kernel
+                       tests' tolerances, then timed (median of >= 10 after warm-up, CUDA events);
+3. ``hicache_stress``  read-before-ready stress on the streams: 0 corruptions with every wait,
+                       corruption detected with a wait skipped (``--unsafe-skip-wait``);
+4. ``hicache_overlap`` layer-wise load pipelined under the forward vs serial (pinned host memory);
+5. ``cp_engine``       the LayerSplit prefill engine on 2 ranks (when the collective backend allows)
+                       and the single-rank reference.
+
+Modes: ``cuda`` (CUDA present, no ``--dry-run``) uses GLM-5 shapes; ``cpu-dry-run`` uses tiny shapes,
+the Triton interpreter and emulated streams so CI keeps the script working (timings are CPU wall
+time, not representative). A :class:`Deadline` skips, with a recorded reason, every section whose
+estimate no longer fits the budget (default 450 s); in ``cuda`` mode a watchdog writes the report and
+exits at budget + 25 s whatever is running. Outputs in ``--out`` (flat, 2 files): ``gpu_check.json``
+(rewritten after every section) and ``gpu_check.md``. Example::
+
+    python benchmarks/gpu_check.py --out /tmp/gpu-check            # or: layersplit gpu-check --out DIR
+    python benchmarks/gpu_check.py --out /tmp/gpu-check --dry-run  # tiny shapes on the CPU
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import threading
+import time
+import traceback
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+BUDGET_S = 450  # default budget: leaves margin inside an 8-minute device slot
+WATCHDOG_GRACE_S = 25  # cuda mode: hard exit this long after the budget, whatever is running
+JSON_NAME, MD_NAME = "gpu_check.json", "gpu_check.md"
+CPU_TIMING_NOTE = "CPU wall time, not representative: the H200 peaks beside it are not comparable"
+CP2_BLOCKED = "NCCL needs one GPU per rank; ran the single-rank reference only"
+
+
+@dataclass(frozen=True)
+class Shapes:
+    """Problem sizes of one mode (GLM-5: indexer 32 x 128, MLA latent 512 + rope 64, top-k 2048)."""
+
+    index_tokens: int  # indexer query rows (the last rows of one request's context)
+    index_heads: int
+    index_dim: int
+    context: int  # indexer context tokens
+    attn_tokens: int
+    attn_heads: int
+    kv_lora_rank: int
+    rope_dim: int
+    topk: int
+    kv_rows: int  # MLA cache rows the sparse attention draws from
+    key_rows: int  # rows quantized / packed
+    pool_pages: int  # pages in the gather/scatter pool (bf16 MLA pages of 64 rows)
+    moved_pages: int
+    warmup: int
+    repeats: int
+    stress_loads: int
+    stress_unsafe: tuple[str, ...]  # waits dropped, one stress run each
+    overlap_argv: tuple[str, ...]
+    cp_context: int  # tiny-model prefill: context tokens, 90% of it a cached prefix
+    estimates_s: tuple[tuple[str, float], ...]  # section -> expected seconds (the deadline's unit)
+
+
+CUDA_SHAPES = Shapes(
+    index_tokens=1024, index_heads=32, index_dim=128, context=32768, attn_tokens=512, attn_heads=64,
+    kv_lora_rank=512, rope_dim=64, topk=2048, kv_rows=65536, key_rows=131072, pool_pages=8192,
+    moved_pages=4096, warmup=3, repeats=10, stress_loads=2000, stress_unsafe=("indexer", "kv", "fence"),
+    overlap_argv=("--runtime", "cuda", "--layers", "8", "--pages", "512", "--queries", "64", "--heads", "64",
+                  "--repeats", "5"),
+    cp_context=4096,
+    estimates_s=(("environment", 0), ("kernels", 150), ("hicache_stress", 60), ("hicache_overlap", 45),
+                 ("cp_engine", 40)),
+)
+DRY_SHAPES = Shapes(
+    index_tokens=5, index_heads=4, index_dim=64, context=130, attn_tokens=4, attn_heads=4, kv_lora_rank=128,
+    rope_dim=16, topk=64, kv_rows=200, key_rows=100, pool_pages=9, moved_pages=5, warmup=1, repeats=3,
+    stress_loads=304, stress_unsafe=("indexer",),
+    overlap_argv=("--runtime", "emulated", "--pages", "16", "--queries", "1", "--heads", "4", "--repeats", "1",
+                  "--layers", "4"),
+    cp_context=256,
+    estimates_s=(("environment", 0), ("kernels", 30), ("hicache_stress", 10), ("hicache_overlap", 5),
+                 ("cp_engine", 20)),
+)
+
+
+class Deadline:
+    """Wall-clock budget shared by every section: ``allows(s)`` if ``s`` more seconds still fit."""
+
+    def __init__(self, budget_s: float) -> None:
+        self.budget_s = float(budget_s)
+        self.start = time.perf_counter()
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.start
+
+    def left(self) -> float:
+        return self.budget_s - self.elapsed()
+
+    def allows(self, seconds: float) -> bool:
+        return seconds <= self.left()
+
+    def why_not(self, seconds: float) -> str:
+        return (f"time budget: {self.elapsed():.0f} s used + ~{seconds:.0f} s estimated "
+                f"> {self.budget_s:.0f} s budget")
+
+
+@dataclass
+class Context:
+    """What every section reads: mode, device, shapes, peaks, the deadline and the shared report."""
+
+    mode: str
+    device: torch.device
+    shapes: Shapes
+    deadline: Deadline
+    peaks: dict[str, float]
+    backends: tuple[str, ...]
+    triton_blocked: str | None = None  # why the Triton backend cannot run here, if it cannot
+    skipped: list[dict] = field(default_factory=list)  # {"what", "reason"}, printed at the end
+
+    @property
+    def on_cuda(self) -> bool:
+        return self.device.type == "cuda"
+
+    def reserve_after(self, section: str) -> float:
+        """Estimated seconds of the sections that run after ``section``."""
+        names = [name for name, _ in self.shapes.estimates_s]
+        return sum(s for _, s in self.shapes.estimates_s[names.index(section) + 1:])
+
+    def skip(self, what: str, reason: str) -> dict:
+        entry = {"what": what, "reason": reason}
+        self.skipped.append(entry)
+        log(f"skipped {what}: {reason}")
+        return {"status": "skipped", "reason": reason}
+
+
+def log(text: str) -> None:
+    print(f"[gpu-check] {text}", flush=True)
+
+
+# 1. environment -------------------------------------------------------------------------------------
+
+def h200_peaks() -> dict[str, float]:
+    """Peaks from ``configs/hardware/h200.yaml``: FLOP/s (bf16, fp8 dense) and bytes/s (HBM, PCIe H2D)."""
+    from layersplit.config import load_hardware
+
+    hw = load_hardware("h200")
+    return {"flops_bf16": hw.dense_flops_bf16, "flops_fp8": hw.dense_flops_fp8, "hbm": hw.hbm_bandwidth,
+            "pcie_h2d": hw.pcie_h2d_bandwidth}
+
+
+def _vendor_ops() -> list[str]:
+    from dsa_kernels import vendor
+
+    return sorted(vendor.available())
+
+
+def section_environment(ctx: Context) -> dict:
+    import triton
+
+    cuda = torch.cuda.is_available()
+    name = torch.cuda.get_device_name(ctx.device) if ctx.on_cuda else platform.processor() or "cpu"
+    return {
+        "mode": ctx.mode, "device": str(ctx.device), "device_name": name, "torch": torch.__version__,
+        "triton": triton.__version__, "cuda_runtime": torch.version.cuda, "cuda_available": cuda,
+        "cuda_devices": torch.cuda.device_count() if cuda else 0, "vendor_ops": _vendor_ops(),
+        "backends": list(ctx.backends), "triton_interpret": os.environ.get("TRITON_INTERPRET", "0") == "1",
+        "cpu_threads": torch.get_num_threads(), "h200_peaks": ctx.peaks,
+        "summary": f"{name}, torch {torch.__version__}, triton {triton.__version__}, backends {'/'.join(ctx.backends)}",
+    }
+
+
+# 2. kernels: cases, checks, timing ------------------------------------------------------------------
+
+@dataclass
+class OpCase:
+    """One op at one shape. ``make()`` builds fresh output buffers and returns ``run(fn) -> outputs``;
+    ``work`` is the FLOP or byte count of one call (``formula``), compared with the ``peak`` key."""
+
+    op: str
+    label: str
+    make: Callable[[], Callable[[Callable], object]]
+    check: Callable[[object, object], dict]
+    work: float
+    unit: str  # "FLOP" | "B"
+    formula: str
+    peak: str
+    fixed: Callable | None = None  # ops outside the dispatch (torch only)
+
+
+def _tuple(x) -> tuple:
+    return x if isinstance(x, tuple) else (x,)
+
+
+def check_exact(got, want) -> dict:
+    """Data movement and fp8 packing of representable values: bit-exact."""
+    same = all(torch.equal(a, b) for a, b in zip(_tuple(got), _tuple(want)))
+    return {"passed": same, "check": "exact" if same else "exact: bytes differ"}
+
+
+def _inf_match(got: torch.Tensor, want: torch.Tensor) -> bool:
+    return (not torch.isnan(got).any() and torch.equal(torch.isinf(got), torch.isinf(want))
+            and torch.equal(got[torch.isinf(got)], want[torch.isinf(want)]))
+
+
+def _rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    finite = torch.isfinite(want)
+    if not finite.any():
+        return 0.0
+    scale = want[finite].abs().max().clamp_min(1.0)
+    return float((got[finite].float() - want[finite].float()).abs().max() / scale)
+
+
+def check_indexer(tol: float) -> Callable[[object, object], dict]:
+    """Scores: NaN/-inf positions first, then max error <= ``tol`` x max(|score|, 1) (tests' rule)."""
+    def check(got, want) -> dict:
+        inf_ok, err = _inf_match(got, want), _rel_err(got, want)
+        return {"passed": inf_ok and err <= tol, "max_rel_err": err, "tol": tol,
+                "check": f"-inf mask {'same' if inf_ok else 'DIFFERS'}, rel err {err:.1e} <= {tol:.0e}"}
+    return check
+
+
+def check_sparse_mla(lse_tol: float) -> Callable[[object, object], dict]:
+    """``out`` within 2 eps of its dtype (or 1e-5) x max|out|; ``lse`` -inf rows equal, then ``lse_tol``."""
+    def check(got, want) -> dict:
+        (out, lse), (w_out, w_lse) = got, want
+        out_tol = max(2 * torch.finfo(out.dtype).eps, 1e-5)
+        inf_ok = _inf_match(lse.float(), w_lse) and not torch.isnan(out).any()
+        out_err = float((out.float() - w_out).abs().max() / w_out.abs().max().clamp_min(1.0))
+        lse_err = _rel_err(lse, w_lse)
+        passed = inf_ok and out_err <= out_tol and lse_err <= lse_tol
+        return {"passed": passed, "max_rel_err": out_err, "lse_rel_err": lse_err, "tol": out_tol,
+                "check": f"-inf lse {'same' if inf_ok else 'DIFFERS'}, out {out_err:.1e} <= {out_tol:.0e}, "
+                         f"lse {lse_err:.1e} <= {lse_tol:.0e}"}
+    return check
+
+
+def fp8_exact_rows(n: int, d: int, gen: torch.Generator, tile: int) -> torch.Tensor:
+    """Rows whose per-``tile`` e4m3 quantization is exact (as in the kernel tests), so every backend
+    must produce the same bytes: e4m3 values times a power of 2, with +-448 in every tile."""
+    vals = torch.randn(n, d, generator=gen).to(torch.float8_e4m3fn).float().view(n, d // tile, tile)
+    vals[:, :, 0] = 448.0 * torch.sign(torch.randn(n, d // tile, generator=gen))
+    exps = torch.randint(-10, 6, (n, d // tile), generator=gen).float()
+    return (vals * torch.exp2(exps)[..., None]).view(n, d)
+
+
+def _ref(op: str, dev: torch.device) -> Callable:
+    from dsa_kernels.dispatch import resolve
+
+    return resolve(op, dev, "torch")[1]
+
+
+def index_key_cases(s: Shapes, dev: torch.device, gen: torch.Generator) -> list[OpCase]:
+    """quantize: read ``n*D*2`` (bf16 keys) + slots, write ``n*(D+4)``; dequantize: the reverse in fp32."""
+    from dsa_kernels.layout import index_page_bytes
+
+    n, d = s.key_rows, s.index_dim
+    pages = -(-n // 64) + 1
+    keys = fp8_exact_rows(n, d, gen, d).to(torch.bfloat16).to(dev)
+    slots = torch.randperm(pages * 64, generator=gen)[:n].to(dev)
+    filled = torch.zeros(pages, index_page_bytes(d), dtype=torch.uint8, device=dev)
+    _ref("quantize_index_keys", dev)(keys, filled, slots)
+
+    def make_quantize():
+        cache = torch.zeros_like(filled)
+        return lambda fn: (fn(keys, cache, slots), cache)[1]
+    io = n * (d + 4) + slots.nbytes
+    return [
+        OpCase("quantize_index_keys", f"quantize_index_keys n={n} D={d}", make_quantize, check_exact,
+               keys.nbytes + io, "B", "n*D*2 + n*(D+4) + slot bytes", "hbm"),
+        OpCase("dequantize_index_keys", f"dequantize_index_keys n={n} D={d}",
+               lambda: lambda fn: fn(filled, slots), check_exact, io + n * d * 4, "B",
+               "n*(D+4) + slot bytes + n*D*4", "hbm"),
+    ]
+
+
+def mla_kv_cases(s: Shapes, dev: torch.device, gen: torch.Generator) -> list[OpCase]:
+    """pack: read bf16 ``kv_c``/``k_pe`` + slots, write ``n*row_bytes``; unpack: read rows, write fp32."""
+    from dsa_kernels.layout import mla_row_bytes
+
+    n, lat, rope = s.key_rows, s.kv_lora_rank, s.rope_dim
+    kv_c = fp8_exact_rows(n, lat, gen, 128).to(torch.bfloat16).to(dev)
+    k_pe = torch.randn(n, rope, generator=gen).to(torch.bfloat16).to(dev)
+    slots = torch.randperm(s.kv_rows, generator=gen)[:n].to(dev)
+    cases = []
+    for kv_dtype in ("bf16", "fp8"):
+        row = mla_row_bytes(lat, rope, kv_dtype)
+        bf16 = kv_dtype == "bf16"
+        shape, dtype = ((s.kv_rows, row // 2), torch.bfloat16) if bf16 else ((s.kv_rows, row), torch.uint8)
+        filled = torch.zeros(shape, dtype=dtype, device=dev)
+        _ref("pack_mla_kv", dev)(kv_c, k_pe, filled, slots)
+
+        def make_pack(shape=shape, dtype=dtype):
+            cache = torch.zeros(shape, dtype=dtype, device=dev)
+            return lambda fn: (fn(kv_c, k_pe, cache, slots), cache)[1]
+        cases += [
+            OpCase("pack_mla_kv", f"pack_mla_kv[{kv_dtype}] n={n}", make_pack, check_exact,
+                   kv_c.nbytes + k_pe.nbytes + slots.nbytes + n * row, "B", "n*(L+R)*2 + slot bytes + n*row_bytes",
+                   "hbm"),
+            OpCase("unpack_mla_kv", f"unpack_mla_kv[{kv_dtype}] n={n}",
+                   lambda filled=filled: lambda fn: fn(filled, slots, lat), check_exact,
+                   n * row + slots.nbytes + n * (lat + rope) * 4, "B", "n*row_bytes + slot bytes + n*(L+R)*4", "hbm"),
+        ]
+    return cases
+
+
+def indexer_cases(s: Shapes, dev: torch.device, gen: torch.Generator) -> list[OpCase]:
+    """Scores over one request's paged fp8 keys for its last ``T`` positions.
+
+    FLOPs = ``2 * H * D * pairs`` with ``pairs = sum_t (pos_t + 1)`` the unmasked (causal) query/key
+    pairs. top-k (torch only): reads ``T*ctx*4`` B, writes ``T*k*4`` B.
+    """
+    from dsa_kernels.layout import index_page_bytes
+
+    t, h, d, ctx = s.index_tokens, s.index_heads, s.index_dim, s.context
+    pages = -(-ctx // 64)
+    table = torch.randperm(pages, generator=gen).to(torch.int32)[None].to(dev)
+    cache = torch.zeros(pages, index_page_bytes(d), dtype=torch.uint8, device=dev)
+    pos_all = torch.arange(ctx, device=dev)
+    slots = table[0, pos_all // 64].long() * 64 + pos_all % 64
+    _ref("quantize_index_keys", dev)(torch.randn(ctx, d, generator=gen).to(dev), cache, slots)
+    q = torch.randn(t, h, d, generator=gen).to(torch.bfloat16).to(dev)
+    w = torch.rand(t, h, generator=gen).to(dev)
+    req = torch.zeros(t, dtype=torch.int32, device=dev)
+    pos = torch.arange(ctx - t, ctx, device=dev)
+    pairs = int((pos + 1).sum())
+    tol = 2e-2 if dev.type == "cuda" else 1e-4  # tl.dot may use tf32 on CUDA
+    scores = _ref("indexer_scores", dev)(q, w, cache, table, req, pos, ctx)
+    from dsa_kernels.reference.indexer import topk_indices
+
+    def check_topk(got, _want) -> dict:
+        ok = bool(torch.equal((got >= 0).sum(1), (pos + 1).clamp(max=s.topk)))
+        return {"passed": ok, "check": "valid count = min(pos + 1, k)" + ("" if ok else ": DIFFERS")}
+    return [
+        OpCase("indexer_scores", f"indexer_scores T={t} H={h} D={d} ctx={ctx}",
+               lambda: lambda fn: fn(q, w, cache, table, req, pos, ctx), check_indexer(tol),
+               2 * h * d * pairs, "FLOP", "2*H*D*sum_t(pos_t+1)", "flops_fp8"),
+        OpCase("topk_indices", f"topk_indices T={t} ctx={ctx} k={s.topk}", lambda: lambda fn: fn(scores, s.topk),
+               check_topk, t * ctx * 4 + t * s.topk * 4, "B", "T*ctx*4 + T*k*4", "hbm", fixed=topk_indices),
+    ]
+
+
+def sparse_mla_cases(s: Shapes, dev: torch.device, gen: torch.Generator) -> list[OpCase]:
+    """FLOPs = ``2 * H * (576 + 512) * valid`` (q.k over L+R, p.v over L) per valid (token, index) pair;
+    row 0 is half -1 padding and row 1 fully masked, as edge cases."""
+    t, h, lat, rope, k = s.attn_tokens, s.attn_heads, s.kv_lora_rank, s.rope_dim, s.topk
+    q = torch.randn(t, h, lat + rope, generator=gen).to(torch.bfloat16).to(dev)
+    kv = torch.randn(s.kv_rows, lat + rope, generator=gen).to(torch.bfloat16).to(dev)
+    idx = torch.randint(0, s.kv_rows, (t, k), generator=gen, dtype=torch.int32)
+    idx[0, k // 2:] = -1
+    idx[1] = -1
+    idx = idx.to(dev)
+    valid = int((idx >= 0).sum())
+    scale = 1.0 / math.sqrt(lat + rope)
+    lse_tol = 1e-2 if dev.type == "cuda" else 1e-4  # tf32 dots on CUDA
+    return [OpCase("sparse_mla_prefill", f"sparse_mla_prefill T={t} H={h} K={k} L+R={lat + rope}",
+                   lambda: lambda fn: fn(q, kv, idx, scale, lat), check_sparse_mla(lse_tol),
+                   2 * h * (2 * lat + rope) * valid, "FLOP", "2*H*((L+R)+L)*valid_indices", "flops_bf16")]
+
+
+def paged_copy_cases(s: Shapes, dev: torch.device, gen: torch.Generator) -> list[OpCase]:
+    """gather/scatter bytes = ``2 * pages * page_bytes`` (each page read once and written once)."""
+    page_bytes = 64 * (s.kv_lora_rank + s.rope_dim) * 2  # one bf16 MLA page
+    dev_gen = torch.Generator(device=dev).manual_seed(int(torch.randint(0, 2**31, (1,), generator=gen)))
+    # bytes drawn on the device: the GLM-5 pool is 600 MB, slow to draw on the host
+    pool = torch.randint(0, 256, (s.pool_pages, page_bytes), dtype=torch.uint8, generator=dev_gen, device=dev)
+    ids = torch.randperm(s.pool_pages, generator=gen)[:s.moved_pages].to(dev)
+    packed = pool[ids.long()].clone()
+    work = 2 * s.moved_pages * page_bytes
+
+    def make_scatter():
+        dst = torch.zeros_like(pool)
+        return lambda fn: (fn(packed, dst, ids), dst)[1]
+    label = f"pages={s.moved_pages} of {s.pool_pages} x {page_bytes} B"
+    return [
+        OpCase("gather_pages", f"gather_pages {label}", lambda: lambda fn: fn(pool, ids), check_exact, work, "B",
+               "2*pages*page_bytes", "hbm"),
+        OpCase("scatter_pages", f"scatter_pages {label}", make_scatter, check_exact, work, "B",
+               "2*pages*page_bytes", "hbm"),
+    ]
+
+
+CASE_BUILDERS = (index_key_cases, mla_kv_cases, indexer_cases, sparse_mla_cases, paged_copy_cases)
+
+
+def sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def median_seconds(call: Callable[[], object], dev: torch.device, warmup: int, repeats: int) -> float:
+    """Median of ``repeats`` timed calls after ``warmup``: CUDA events on a GPU, perf_counter on a CPU."""
+    for _ in range(warmup):
+        call()
+    sync(dev)
+    times = []
+    for _ in range(repeats):
+        if dev.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            call()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        else:
+            t0 = time.perf_counter()
+            call()
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _backend_fn(ctx: Context, case: OpCase, backend: str) -> tuple[Callable | None, str | None]:
+    """The op's function for ``backend``, or ``(None, reason)`` when that backend cannot run it."""
+    from dsa_kernels.dispatch import resolve
+
+    if case.fixed is not None:
+        return (case.fixed, None) if backend == "torch" else (None, None)  # torch-only op: nothing to skip
+    if backend == "triton" and ctx.triton_blocked:
+        return None, ctx.triton_blocked
+    name, fn = resolve(case.op, ctx.device, backend)
+    return (fn, None) if name == backend else (None, f"dispatch gave {name}")
+
+
+def _rate(case: OpCase, seconds: float, ctx: Context) -> dict:
+    scale, unit = (1e12, "TFLOP/s") if case.unit == "FLOP" else (1e9, "GB/s")
+    return {"achieved": case.work / seconds / scale, "peak": ctx.peaks[case.peak] / scale, "rate_unit": unit,
+            "peak_key": case.peak}
+
+
+def run_case(ctx: Context, case: OpCase, backend: str, fn: Callable, want) -> dict:
+    """Correctness against the torch reference on the same device, then the timing."""
+    run = case.make()
+    got = run(fn)
+    sync(ctx.device)
+    row = {"op": case.op, "label": case.label, "backend": backend, "work": case.work, "unit": case.unit,
+           "formula": case.formula}
+    row |= {"passed": True, "check": "oracle (torch reference)"} if backend == "torch" else case.check(got, want)
+    del got
+    seconds = median_seconds(lambda: run(fn), ctx.device, ctx.shapes.warmup, ctx.shapes.repeats)
+    row |= {"median_ms": seconds * 1e3, "repeats": ctx.shapes.repeats} | _rate(case, seconds, ctx)
+    log(f"{case.label:<52} {backend:<6} {'ok' if row['passed'] else 'FAILED':<6} {row['median_ms']:9.3f} ms "
+        f"{row['achieved']:9.3f} {row['rate_unit']} (H200 {case.peak} {row['peak']:.0f}) {row['check']}")
+    return row
+
+
+def _run_op(ctx: Context, case: OpCase, rows: list[dict], budget: Deadline, no_vendor: list[str]) -> None:
+    ref = case.fixed or _ref(case.op, ctx.device)
+    want = case.make()(ref)
+    for backend in ctx.backends:
+        fn, reason = _backend_fn(ctx, case, backend)
+        if fn is None and backend == "vendor" and case.fixed is None:
+            no_vendor.append(case.op)  # reported once for the section, not per op
+        elif fn is None and reason:
+            ctx.skip(f"kernels: {case.op} [{backend}]", reason)
+        if fn is None:
+            continue
+        if not budget.allows(0):
+            ctx.skip(f"kernels: {case.label} [{backend}]", budget.why_not(0))
+            continue
+        try:
+            rows.append(run_case(ctx, case, backend, fn, want))
+        except Exception as exc:  # one backend failing must not hide the others
+            rows.append({"op": case.op, "label": case.label, "backend": backend, "passed": False,
+                         "check": f"raised {type(exc).__name__}: {exc}"[:500]})
+            log(f"{case.label} [{backend}] raised {exc!r}")
+
+
+def section_kernels(ctx: Context) -> dict:
+    budget = Deadline(ctx.deadline.left() - ctx.reserve_after("kernels"))  # ops stop early, later sections still fit
+    gen, rows, no_vendor = torch.Generator().manual_seed(0), [], []
+    for build in CASE_BUILDERS:
+        if not budget.allows(0):
+            ctx.skip(f"kernels: {build.__name__}", budget.why_not(0))
+            continue
+        for case in build(ctx.shapes, ctx.device, gen):
+            _run_op(ctx, case, rows, budget, no_vendor)
+        if ctx.on_cuda:
+            torch.cuda.empty_cache()
+    if no_vendor:
+        ctx.skip(f"kernels: vendor backend for {', '.join(sorted(set(no_vendor)))}",
+                 f"no vendor kernel for these ops here (importable vendor ops: {', '.join(_vendor_ops()) or 'none'})")
+    by_backend = {b: all(r["passed"] for r in rows if r["backend"] == b) for b in {r["backend"] for r in rows}}
+    n_ok = sum(r["passed"] for r in rows)
+    timing = "CUDA events" if ctx.on_cuda else CPU_TIMING_NOTE
+    return {"rows": rows, "correct_by_backend": by_backend, "passed": n_ok == len(rows), "timing": timing,
+            "summary": f"{n_ok}/{len(rows)} op x backend runs correct ({', '.join(sorted(by_backend))})"}
+
+
+# 3./4. HiCache stress and overlap -------------------------------------------------------------------
+
+def _stress_summary(r) -> dict:
+    keep = ("layers_loaded", "outputs_checked", "corrupted_outputs", "corrupted_requests", "poisoned_reads",
+            "seconds", "corruption_rate", "runtime")
+    return {k: v for k, v in asdict(r).items() if k in keep}
+
+
+def section_stress(ctx: Context) -> dict:
+    """Tiny-model caches (the race, not the shapes, is under test); delays are ``torch.cuda._sleep``
+    on the CUDA streams. With waits: 0 corrupted. In cuda mode each dropped wait must be detected."""
+    from hicache.stress import StressConfig, run_stress
+    from layersplit.config import cache_spec, load_model
+
+    model = load_model("tiny")
+    base = StressConfig(layer_loads=ctx.shapes.stress_loads, runtime="cuda" if ctx.on_cuda else "emulated",
+                        index_heads=model.index_n_heads, attn_heads=model.num_heads, topk=model.index_topk)
+    safe = _stress_summary(run_stress(cache_spec(model), base))
+    unsafe = {}
+    for wait in ctx.shapes.stress_unsafe:
+        cfg = StressConfig(**(asdict(base) | {"unsafe_skip": frozenset({wait})}))
+        unsafe[wait] = _stress_summary(run_stress(cache_spec(model), cfg))
+    detected = {w: r["corrupted_outputs"] > 0 for w, r in unsafe.items()}
+    passed = safe["corrupted_outputs"] == 0 and (not ctx.on_cuda or all(detected.values()))
+    parts = [f"with waits {safe['corrupted_outputs']}/{safe['outputs_checked']} corrupted"]
+    parts += [f"--unsafe-skip-wait {w}: {r['corrupted_outputs']}/{r['outputs_checked']}" for w, r in unsafe.items()]
+    return {"with_waits": safe, "unsafe_skip_wait": unsafe, "detected": detected, "passed": passed,
+            "detection_required": ctx.on_cuda, "summary": "; ".join(parts)}
+
+
+def _overlap_bench():
+    """``benchmarks/hicache_overlap.py`` (a script, not a package module), loaded from the repository."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "hicache_overlap.py"
+    spec = importlib.util.spec_from_file_location("hicache_overlap_bench", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def section_overlap(ctx: Context) -> dict:
+    """Pipelined vs serial layer-wise load; on CUDA the host pool is pinned, so loads run at real H2D speed."""
+    bench = _overlap_bench()
+    result = bench.Bench(bench.parse(list(ctx.shapes.overlap_argv))).run()
+    result["pcie_h2d_peak_GBps"] = ctx.peaks["pcie_h2d"] / 1e9
+    result["speedup_vs_serial"] = result["serial_s"] / result["pipelined_s"]
+    result["argv"] = list(ctx.shapes.overlap_argv)
+    result["summary"] = (f"pipelined {result['pipelined_s'] * 1e3:.1f} ms vs serial {result['serial_s'] * 1e3:.1f} ms "
+                         f"({result['pipelined_over_max']:.2f}x max(load, compute)); load "
+                         f"{result['load_GBps']:.2f} GB/s (H200 PCIe H2D {result['pcie_h2d_peak_GBps']:.0f} GB/s)")
+    return result
+
+
+# 5. CP prefill engine -------------------------------------------------------------------------------
+
+def cp2_blocker() -> str | None:
+    """Why 2 rank processes cannot run here: the launcher picks NCCL whenever CUDA is present, and NCCL
+    refuses two ranks on one GPU."""
+    if torch.cuda.is_available() and torch.cuda.device_count() < 2:
+        return CP2_BLOCKED
+    return None
+
+
+def section_cp_engine(ctx: Context) -> dict:
+    """Tiny model, one request with a 90% cached prefix: cp=2 LayerSplit vs the single-rank reference."""
+    from layersplit.config import load_model
+    from layersplit.engine import EngineConfig
+    from layersplit.launcher import Scenario, run_cp, run_reference
+    from layersplit.prefill_cmd import make_requests
+
+    model, n = load_model("tiny"), ctx.shapes.cp_context
+    requests = make_requests(1, n, 0.9, model.vocab_size, 0)
+    cfg = EngineConfig(mode="layersplit", cp=2, pool_pages=-(-n // 64), max_batch_tokens=n, max_requests=1)
+    scenario = Scenario("gpu-check", requests, cfg)
+    ref = run_reference(model, scenario)
+    new = sum(len(r.new_tokens) for r in requests)
+    out = {"model": model.name, "context": n, "new_tokens": new,
+           "reference": {"seconds": ref.seconds, "tokens_per_s": new / ref.seconds}}
+    blocked = cp2_blocker()
+    if blocked:
+        out["cp2"] = ctx.skip("cp_engine: cp=2", blocked)
+        out["summary"] = f"reference {ref.seconds * 1e3:.1f} ms; cp=2 skipped ({blocked})"
+        return out
+    res = run_cp(model, [scenario], 2, timeout_s=max(30.0, min(300.0, ctx.deadline.left())))[0]
+    dev_abs = float((res.hidden - ref.hidden).abs().max())
+    rel = dev_abs / float(ref.hidden.abs().max())
+    ok = not torch.isnan(res.hidden).any() and rel <= 1e-4  # the CP engine tests' tolerance
+    out["cp2"] = {"status": "ok" if ok else "failed", "seconds": res.seconds, "max_abs_deviation": dev_abs,
+                  "max_rel_deviation": rel, "backend": "nccl" if torch.cuda.is_available() else "gloo"}
+    out["passed"] = ok
+    out["summary"] = (f"cp=2 max abs deviation {dev_abs:.2e} (rel {rel:.1e} <= 1e-4) vs reference; "
+                      f"cp=2 {res.seconds * 1e3:.1f} ms, reference {ref.seconds * 1e3:.1f} ms")
+    return out
+
+
+# runner ---------------------------------------------------------------------------------------------
+
+SECTIONS: tuple[tuple[str, Callable[[Context], dict]], ...] = (
+    ("environment", section_environment),
+    ("kernels", section_kernels),
+    ("hicache_stress", section_stress),
+    ("hicache_overlap", section_overlap),
+    ("cp_engine", section_cp_engine),
+)
+
+
+def run_section(ctx: Context, name: str, fn: Callable[[Context], dict]) -> dict:
+    """Run one section unless its estimate no longer fits; an exception is recorded, never raised."""
+    estimate = dict(ctx.shapes.estimates_s)[name]
+    if not ctx.deadline.allows(estimate):
+        return ctx.skip(name, ctx.deadline.why_not(estimate)) | {"seconds": 0.0}
+    log(f"{name}: start ({ctx.deadline.left():.0f} s of budget left)")
+    t0 = time.perf_counter()
+    try:
+        result = fn(ctx)
+        status = "ok" if result.get("passed", True) else "failed"
+        entry = {"status": status, "result": result}
+    except Exception as exc:
+        entry = {"status": "failed", "error": f"{type(exc).__name__}: {exc}",
+                 "traceback": traceback.format_exc()[-4000:]}
+    entry["seconds"] = time.perf_counter() - t0
+    log(f"{name}: {entry['status']} in {entry['seconds']:.1f} s"
+        + (f" -- {entry['error']}" if "error" in entry else f" -- {entry['result'].get('summary', '')}"))
+    return entry
+
+
+def _json_safe(x):
+    return str(x) if not isinstance(x, (int, float, str, bool, type(None))) else x
+
+
+def write_json(out: Path, report: dict) -> None:
+    tmp = out / (JSON_NAME + ".tmp")
+    tmp.write_text(json.dumps(report, indent=1, default=_json_safe))
+    tmp.replace(out / JSON_NAME)  # atomic: a watchdog exit never leaves half a file
+
+
+def _kernel_table(rows: list[dict], on_cuda: bool) -> list[str]:
+    head = "| op | backend | check | median | achieved | H200 peak |"
+    lines = ["", "## Kernels" + ("" if on_cuda else f" ({CPU_TIMING_NOTE})"), "", head, "|---|---|---|---|---|---|"]
+    for r in rows:
+        if "median_ms" not in r:
+            lines.append(f"| {r['label']} | {r['backend']} | FAILED: {r['check'][:80]} | | | |")
+            continue
+        mark = "ok" if r["passed"] else "FAILED"
+        lines.append(f"| {r['label']} | {r['backend']} | {mark}: {r['check']} | {r['median_ms']:.3f} ms | "
+                     f"{r['achieved']:.3g} {r['rate_unit']} | {r['peak']:.0f} {r['rate_unit']} ({r['peak_key']}) |")
+    return lines
+
+
+def render_markdown(report: dict) -> str:
+    env = report["sections"].get("environment", {}).get("result", {})
+    lines = [f"# GPU check: {report['mode']}", "",
+             f"{env.get('device_name', report['device'])} · torch {torch.__version__} · triton "
+             f"{env.get('triton', '?')} · budget {report['budget_s']:.0f} s · elapsed {report['elapsed_s']:.1f} s"
+             + (f" · ABORTED: {report['aborted']}" if report.get("aborted") else ""),
+             "", "| section | status | seconds | summary |", "|---|---|---|---|"]
+    for name, s in report["sections"].items():
+        text = s.get("reason") or s.get("error") or s.get("result", {}).get("summary", "")
+        lines.append(f"| {name} | {s['status']} | {s.get('seconds', 0):.1f} | {text} |")
+    rows = report["sections"].get("kernels", {}).get("result", {}).get("rows", [])
+    if rows:
+        lines += _kernel_table(rows, report["mode"] == "cuda")
+    if report["skipped"]:
+        lines += ["", "## Skipped", ""] + [f"- {s['what']}: {s['reason']}" for s in report["skipped"]]
+    return "\n".join(lines) + "\n"
+
+
+def write_outputs(out: Path, report: dict) -> None:
+    write_json(out, report)
+    (out / MD_NAME).write_text(render_markdown(report))
+
+
+def choose_mode(dry_run: bool) -> tuple[str, torch.device]:
+    if torch.cuda.is_available() and not dry_run:
+        return "cuda", torch.device("cuda", torch.cuda.current_device())
+    return "cpu-dry-run", torch.device("cpu")
+
+
+def prepare_triton(mode: str) -> str | None:
+    """CPU runs need ``TRITON_INTERPRET=1`` before the Triton kernels are imported (``triton.jit``
+    reads it at decoration); returns why Triton cannot run here, or None.
+
+    Set here only where CUDA is absent: next to a GPU it would turn every later Triton kernel of
+    this process into an interpreted one, so a dry run there needs it set at launch.
+    """
+    if mode == "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
+        return None
+    if torch.cuda.is_available():
+        return "Triton on the CPU next to a GPU needs TRITON_INTERPRET=1 set at launch"
+    if any(m.startswith("dsa_kernels.triton_ops.") for m in sys.modules):
+        return "Triton kernels were imported without TRITON_INTERPRET=1, so they cannot run on the CPU"
+    os.environ["TRITON_INTERPRET"] = "1"
+    return None
+
+
+def _arm_watchdog(ctx: Context, out: Path, report: dict) -> threading.Timer:
+    """cuda mode: whatever hangs (a kernel, NCCL), write what we have and exit at budget + grace."""
+    def fire() -> None:
+        report.update(aborted=f"watchdog after {ctx.deadline.elapsed():.0f} s", elapsed_s=ctx.deadline.elapsed())
+        running = report.get("running")
+        for name, _ in SECTIONS:
+            if name == running:
+                report["sections"][name] = {"status": "failed", "error": "stopped by the watchdog while running",
+                                            "seconds": ctx.deadline.elapsed()}
+            elif name not in report["sections"]:
+                reason = "not reached: the watchdog stopped the check"
+                report["sections"][name] = ctx.skip(name, reason) | {"seconds": 0.0}
+        write_outputs(out, report)
+        log(f"watchdog: stopping after {ctx.deadline.elapsed():.0f} s; partial report in {out}")
+        os._exit(3)
+    timer = threading.Timer(ctx.deadline.budget_s + WATCHDOG_GRACE_S, fire)
+    timer.daemon = True
+    timer.start()
+    return timer
+
+
+def run_check(out: str | Path, dry_run: bool = False, budget_s: float = BUDGET_S) -> dict:
+    """Run every section into ``out`` (created; flat, 2 files) and return the report dict."""
+    if budget_s <= 0:
+        raise ValueError(f"budget_s: expected > 0, got {budget_s}")
+    deadline = Deadline(budget_s)  # started first: the report counts import and setup time too
+    mode, device = choose_mode(dry_run)
+    blocked = prepare_triton(mode)
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    backends = ("torch", "triton", "vendor") if mode == "cuda" else ("torch", "triton")
+    ctx = Context(mode, device, CUDA_SHAPES if mode == "cuda" else DRY_SHAPES, deadline, h200_peaks(), backends,
+                  triton_blocked=blocked)
+    report = {"mode": mode, "device": str(device), "budget_s": float(budget_s), "elapsed_s": 0.0,
+              "timing": "CUDA events, median after warm-up" if mode == "cuda" else CPU_TIMING_NOTE,
+              "sections": {}, "skipped": ctx.skipped}
+    log(f"mode {mode} on {device}, budget {budget_s:.0f} s, output {out}")
+    timer = _arm_watchdog(ctx, out, report) if mode == "cuda" else None
+    try:
+        for name, fn in SECTIONS:
+            report["running"] = name
+            report["sections"][name] = run_section(ctx, name, fn)
+            report["elapsed_s"] = deadline.elapsed()
+            write_json(out, report)
+    finally:
+        if timer:
+            timer.cancel()
+        report.pop("running", None)
+    report["elapsed_s"] = deadline.elapsed()
+    write_outputs(out, report)
+    return report
+
+
+def print_end(report: dict, out: Path) -> None:
+    for name, s in report["sections"].items():
+        log(f"{name:<16} {s['status']}")
+    for s in report["skipped"]:
+        log(f"skipped: {s['what']}: {s['reason']}")
+    log(f"{len(report['skipped'])} item(s) skipped; report: {out / JSON_NAME}, {out / MD_NAME} "
+        f"({report['elapsed_s']:.1f} s of {report['budget_s']:.0f} s)")
+
+
+def exit_code(report: dict) -> int:
+    """0 when every section that ran passed (skips included), 1 otherwise."""
+    return int(any(s["status"] == "failed" for s in report["sections"].values()))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python benchmarks/gpu_check.py --out DIR [--dry-run] [--budget-s 450]``."""
+    import argparse
+
+    from layersplit import gpu_check_cmd
+    from layersplit.cli import _int_at_least
+
+    parser = argparse.ArgumentParser(prog="gpu_check", description=__doc__.splitlines()[0])
+    gpu_check_cmd.add_arguments(parser, _int_at_least)
+    return gpu_check_cmd.run(parser.parse_args(argv))

@@ -1,0 +1,52 @@
+"""Version seam: where each upstream name lives in the sglang releases we know.
+
+Older releases say "nsa" (native sparse attention) where newer ones say "dsa". Each concept maps to
+candidate ``module:attribute`` paths, newest first; :func:`resolve` returns the first that imports.
+Tested against sglang 0.5.23 (the release CI pins, with torch 2.14.1); the "nsa" spellings are the
+names of the 0.5.x releases before the rename and are unverified here.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+TESTED_RELEASES = ("0.5.23",)
+
+NAMES: dict[str, tuple[str, ...]] = {
+    "dsa_pool": ("sglang.srt.mem_cache.memory_pool:DSATokenToKVPool",
+                 "sglang.srt.mem_cache.memory_pool:NSATokenToKVPool"),
+    "layer_split_pool": ("sglang.srt.mem_cache.dsa_cache_layer_split:LayerSplitDSATokenToKVPool",
+                         "sglang.srt.mem_cache.nsa_cache_layer_split:LayerSplitNSATokenToKVPool"),
+    "index_key_cache": ("sglang.srt.mem_cache.index_key_cache:IndexKeyCache",),
+    "hook_registry": ("sglang.srt.plugins.hook_registry:HookRegistry",),
+    "hook_type": ("sglang.srt.plugins.hook_registry:HookType",),
+    "layer_done_counter": ("sglang.srt.managers.cache_controller:LayerDoneCounter",),
+    "get_parallel": ("sglang.srt.runtime_context:get_parallel",),
+}
+
+
+def resolve_path(concept: str) -> str:
+    """The ``module.attr`` path of ``concept`` in the installed release (for HookRegistry targets)."""
+    for candidate in NAMES[concept]:
+        module, attr = candidate.split(":")
+        try:
+            if hasattr(importlib.import_module(module), attr):
+                return f"{module}.{attr}"
+        except ImportError:
+            continue
+    raise ImportError(f"sglang: expected one of {NAMES[concept]} for {concept!r}, found none "
+                      f"(tested releases: {TESTED_RELEASES})")
+
+
+def resolve(concept: str):
+    module, _, attr = resolve_path(concept).rpartition(".")
+    return getattr(importlib.import_module(module), attr)
+
+
+def sglang_version() -> str | None:
+    try:
+        from importlib.metadata import version
+
+        return version("sglang")
+    except Exception:  # not installed
+        return None
