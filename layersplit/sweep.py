@@ -95,13 +95,13 @@ def table(points: list[dict], cfg: SweepConfig) -> str:
              f"(**{kind}**{scale}); {cfg.sessions} sessions, {cfg.requests} requests, "
              f"{100 * (1 - cfg.new_fraction):.0f}% reusable prefix.", "",
              "| length | mode | req tok/s | new tok/s | hit L1 | hit L2 | miss | reloaded/rank (GB) | broadcast (GB) "
-             "| exposed comm (s) | KV/rank (GB) | batches | gain |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| exposed comm (s) | KV/rank (GB) | L1 tokens/rank | batches | gain |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for p in points:
         lines.append(f"| {p['length'] // 1000}k | {p['mode']} | {p['request_tokens_per_s']:,.0f} | {p['new_tokens_per_s']:,.0f} "
                      f"| {p['hit_L1']:.0%} | {p['hit_L2']:.0%} | {p['miss']:.0%} | {p['reload_bytes_per_rank'] / 1e9:.3f} "
                      f"| {p['bcast_bytes'] / 1e9:.3f} | {p['exposed_comm_s']:.3f} | {p['kv_bytes_per_rank'] / 1e9:.3f} "
-                     f"| {p['batches']} | {p['gain_pct']:+.0f}% |")
+                     f"| {p['l1_tokens_per_rank']:,} | {p['batches']} | {p['gain_pct']:+.0f}% |")
     return "\n".join(lines) + "\n"
 
 
