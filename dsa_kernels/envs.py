@@ -35,3 +35,8 @@ def sglang_plugin_enabled() -> bool:
 def sglang_ownership() -> str:
     """``LAYERSPLIT_SGLANG_OWNERSHIP``: contiguous (default, upstream's split) | round-robin."""
     return os.environ.get("LAYERSPLIT_SGLANG_OWNERSHIP", "contiguous").strip().lower()
+
+
+def sglang_spec_monitor_enabled() -> bool:
+    """``LAYERSPLIT_SGLANG_SPEC_MONITOR=1`` adds the speculative-decoding monitor hook to the plug-in."""
+    return os.environ.get("LAYERSPLIT_SGLANG_SPEC_MONITOR", "0").strip().lower() in ("1", "true", "yes", "on")

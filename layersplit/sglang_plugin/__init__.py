@@ -33,6 +33,12 @@ def register() -> bool:
     registry.register(target, replacement, hook_type.REPLACE)
     _state.update(target=target, original=original, replacement=replacement)
     log.info("layersplit: %s -> %s", target, replacement.__qualname__)
+    if envs.sglang_spec_monitor_enabled():
+        from layersplit.sglang_plugin.monitor import TARGET, MetaInfoMonitor
+
+        monitor = MetaInfoMonitor()
+        registry.register(TARGET, monitor.after_spec_metrics, hook_type.AFTER)
+        _state.update(monitor=monitor, monitor_hook=monitor.after_spec_metrics)
     return True
 
 
@@ -45,6 +51,8 @@ def unregister() -> None:
     from layersplit.sglang_plugin import compat
 
     registry = compat.resolve("hook_registry")
+    if "monitor_hook" in _state:
+        _unhook_method(registry, _state["monitor_hook"])
     target, original, replacement = _state["target"], _state["original"], _state["replacement"]
     hooks = [h for h in registry._hooks.get(target, []) if h[1] is not replacement]
     if hooks:
@@ -59,3 +67,25 @@ def unregister() -> None:
             if value is replacement:
                 setattr(mod, name, original)
     _state.clear()
+
+
+def _unhook_method(registry, hook) -> None:
+    """Drop our AFTER hook and put the method the registry wrapped back."""
+    import importlib
+
+    from layersplit.sglang_plugin.monitor import TARGET
+
+    registry._hooks[TARGET] = [h for h in registry._hooks.get(TARGET, []) if h[1] != hook]  # bound methods: ==, not is
+    if not registry._hooks[TARGET]:
+        registry._hooks.pop(TARGET)
+    if TARGET in registry._patched:
+        registry._patched.discard(TARGET)
+        module, cls_name, attr = TARGET.rsplit(".", 2)
+        cls = getattr(importlib.import_module(module), cls_name)
+        wrapped = cls.__dict__[attr]
+        setattr(cls, attr, getattr(wrapped, "__wrapped__", wrapped))
+
+
+def spec_monitor():
+    """The registered :class:`layersplit.sglang_plugin.monitor.MetaInfoMonitor` (its Prometheus counters), or None."""
+    return _state.get("monitor")

@@ -197,3 +197,37 @@ def test_entry_point_is_declared():
 
     eps = [ep for ep in entry_points(group="sglang.srt.plugins") if ep.name == "layersplit"]
     assert eps and eps[0].value == "layersplit.sglang_plugin:register"
+
+
+def test_monitor_hook_on_real_tokenizer_manager(monkeypatch):
+    """The AFTER hook runs on SGLang's own metric computation and turns an anomaly into a retryable abort."""
+    from layersplit import sglang_plugin
+    from layersplit.sglang_plugin.monitor import TARGET, TARGET_SIGNATURE
+
+    manager_cls = __import__("sglang.srt.managers.tokenizer_manager", fromlist=["TokenizerManager"]).TokenizerManager
+    original = manager_cls.__dict__["_calculate_spec_decoding_metrics"]
+    assert str(inspect.signature(original)) == TARGET_SIGNATURE, "upstream metric method changed signature"
+    monkeypatch.setenv("LAYERSPLIT_SGLANG_PLUGIN", "1")
+    monkeypatch.setenv("LAYERSPLIT_SGLANG_SPEC_MONITOR", "1")
+    # what the server would have published: 4 draft tokens per verify step
+    monkeypatch.setattr(inspect.getmodule(original), "get_spec", lambda: SimpleNamespace(speculative_num_draft_tokens=4))
+    try:
+        assert register()
+        compat.resolve("hook_registry").apply_hooks()
+        fn = manager_cls._calculate_spec_decoding_metrics
+        for completion, verify, correct, expect in [(300, 250, 50, "garbled"), (400, 160, 240, "healthy"),
+                                                    (1000, 251, 749, "repetition")]:
+            recv = SimpleNamespace(spec_verify_ct=[verify], spec_num_correct_drafts=[correct],
+                                   completion_tokens=[completion], spec_correct_drafts_histogram=None)
+            meta = {"completion_tokens": completion}
+            fn(SimpleNamespace(), meta, recv, 0)
+            assert meta["spec_accept_length"] == completion / verify  # computed by SGLang itself
+            assert meta["layersplit_spec_verdict"]["verdict"] == expect
+            aborted = meta.get("finish_reason", {}).get("type") == "abort"
+            assert aborted == (expect != "healthy")
+        text = sglang_plugin.spec_monitor().counters.to_prometheus()
+        assert 'pd_spec_monitor_verdicts_total{verdict="garbled"} 1' in text
+    finally:
+        unregister()
+    assert manager_cls.__dict__["_calculate_spec_decoding_metrics"] is original
+    assert TARGET not in compat.resolve("hook_registry")._hooks
