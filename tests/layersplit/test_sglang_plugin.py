@@ -231,3 +231,83 @@ def test_monitor_hook_on_real_tokenizer_manager(monkeypatch):
         unregister()
     assert manager_cls.__dict__["_calculate_spec_decoding_metrics"] is original
     assert TARGET not in compat.resolve("hook_registry")._hooks
+
+
+def _prefill_rank_worker(rank: int, world: int, pages: list[int], queue) -> None:
+    """One prefill CP rank: build the pool, apply the writes, and read out exactly the buffers it
+    registers for PD transfer (``get_contiguous_buf_infos`` / ``get_state_buf_infos``), page by page,
+    as the transfer engine would from (ptr + page * item_len)."""
+    try:
+        with parallel(world=world):
+            pool = (make_pool_class()(SIZE, **pool_kwargs(), layer_shard_rank=rank, layer_shard_size=world,
+                                      ownership="round-robin") if world > 1 else compat.resolve("dsa_pool")(SIZE, **pool_kwargs()))
+            write_all(pool)
+            by_ptr = {t.data_ptr(): ("kv", i, t) for i, t in enumerate(pool.kv_buffer) if t.numel()}
+            by_ptr.update({pool.get_index_k_with_scale_buffer(i).data_ptr(): ("index", i, pool.get_index_k_with_scale_buffer(i))
+                           for i in range(LAYERS) if pool.get_index_k_with_scale_buffer(i).numel()})
+            sends = []
+            for infos in (pool.get_contiguous_buf_infos(), pool.get_state_buf_infos()):
+                for ptr, length, item_len in zip(*infos):
+                    kind, layer_id, tensor = by_ptr[ptr]
+                    flat = tensor.view(torch.uint8).flatten()[:length]
+                    for p in pages:
+                        # plain bytes: tensors sent through a queue as shared memory die with this process
+                        sends.append((kind, layer_id, p, flat[p * item_len:(p + 1) * item_len].numpy().tobytes()))
+        queue.put((rank, sends, None))
+    except Exception:
+        import traceback
+
+        queue.put((rank, None, traceback.format_exc()))
+
+
+def _decode_receives(world: int, pages: list[int], remap: dict[int, int]):
+    """Spawn ``world`` prefill ranks; post their page writes through the pd transfer-engine model
+    into one decode-side SGLang pool (all layers)."""
+    import random
+
+    from pd.sim import EventLoop
+    from pd.transfer_engine import EngineFaults, TransferEngine, WriteTag
+
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_prefill_rank_worker, args=(r, world, pages, queue)) for r in range(world)]
+    for p in procs:
+        p.start()
+    results = [queue.get(timeout=240) for _ in procs]
+    for p in procs:
+        p.join(timeout=30)
+    decode = compat.resolve("dsa_pool")(SIZE, **pool_kwargs())
+    loop = EventLoop()
+
+    def land(page_key, tag, payload):
+        kind, layer_id, page = page_key
+        buf = decode.kv_buffer[layer_id] if kind == "kv" else decode.get_index_k_with_scale_buffer(layer_id)
+        item = len(payload)
+        data = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+        buf.view(torch.uint8).flatten()[remap[page] * item:(remap[page] + 1) * item] = data
+
+    engine = TransferEngine(loop, random.Random(0), land, EngineFaults())
+    sent = {}
+    for rank, sends, err in results:
+        assert err is None, err
+        for kind, layer_id, page, payload in sends:
+            assert (kind, layer_id, page) not in sent, "two ranks sent the same layer"
+            sent[(kind, layer_id, page)] = rank
+            engine.post([(kind, layer_id, page)], [WriteTag(0, 0)], [payload], lambda b, s: None, lambda b: None)
+    loop.run()
+    return decode, sent
+
+
+@pytest.mark.timeout(300)
+def test_pd_transfer_of_layer_split_prefill_equals_redundant():
+    """Two layer-split prefill ranks (processes) each send only their owned layers into one decode
+    pool; the decode pool ends up byte-identical to what one redundant prefill sends."""
+    pages, remap = [0, 2, 5], {0: 3, 2: 4, 5: 7}  # decode places the request in its own pages
+    split, who = _decode_receives(2, pages, remap)
+    redundant, _ = _decode_receives(1, pages, remap)
+    assert sorted({layer for (_, layer, _) in who}) == list(range(LAYERS))
+    assert {r for (kind, layer, _), r in who.items() if kind == "kv"} == {0, 1}  # both ranks sent
+    for i in range(LAYERS):
+        assert torch.equal(split.kv_buffer[i].view(torch.uint8), redundant.kv_buffer[i].view(torch.uint8))
+        assert torch.equal(split.get_index_k_with_scale_buffer(i), redundant.get_index_k_with_scale_buffer(i))
+    assert split.kv_buffer[0].view(torch.uint8).any()  # something was actually transferred
