@@ -26,7 +26,6 @@ exits at budget + 25 s whatever is running. Outputs in ``--out`` (flat, 2 files)
 from __future__ import annotations
 
 import json
-import math
 import os
 import platform
 import statistics
@@ -39,6 +38,8 @@ from pathlib import Path
 from typing import Callable
 
 import torch
+
+from layersplit.gpu_check_cases import CASE_BUILDERS, OpCase, _ref
 
 BUDGET_S = 450  # default budget: leaves margin inside an 8-minute device slot
 WATCHDOG_GRACE_S = 25  # cuda mode: hard exit this long after the budget, whatever is running
@@ -181,218 +182,7 @@ def section_environment(ctx: Context) -> dict:
     }
 
 
-# 2. kernels: cases, checks, timing ------------------------------------------------------------------
-
-@dataclass
-class OpCase:
-    """One op at one shape. ``make()`` builds fresh output buffers and returns ``run(fn) -> outputs``;
-    ``work`` is the FLOP or byte count of one call (``formula``), compared with the ``peak`` key."""
-
-    op: str
-    label: str
-    make: Callable[[], Callable[[Callable], object]]
-    check: Callable[[object, object], dict]
-    work: float
-    unit: str  # "FLOP" | "B"
-    formula: str
-    peak: str
-    fixed: Callable | None = None  # ops outside the dispatch (torch only)
-
-
-def _tuple(x) -> tuple:
-    return x if isinstance(x, tuple) else (x,)
-
-
-def check_exact(got, want) -> dict:
-    """Data movement and fp8 packing of representable values: bit-exact."""
-    same = all(torch.equal(a, b) for a, b in zip(_tuple(got), _tuple(want)))
-    return {"passed": same, "check": "exact" if same else "exact: bytes differ"}
-
-
-def _inf_match(got: torch.Tensor, want: torch.Tensor) -> bool:
-    return (not torch.isnan(got).any() and torch.equal(torch.isinf(got), torch.isinf(want))
-            and torch.equal(got[torch.isinf(got)], want[torch.isinf(want)]))
-
-
-def _rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
-    finite = torch.isfinite(want)
-    if not finite.any():
-        return 0.0
-    scale = want[finite].abs().max().clamp_min(1.0)
-    return float((got[finite].float() - want[finite].float()).abs().max() / scale)
-
-
-def check_indexer(tol: float) -> Callable[[object, object], dict]:
-    """Scores: NaN/-inf positions first, then max error <= ``tol`` x max(|score|, 1) (tests' rule)."""
-    def check(got, want) -> dict:
-        inf_ok, err = _inf_match(got, want), _rel_err(got, want)
-        return {"passed": inf_ok and err <= tol, "max_rel_err": err, "tol": tol,
-                "check": f"-inf mask {'same' if inf_ok else 'DIFFERS'}, rel err {err:.1e} <= {tol:.0e}"}
-    return check
-
-
-def check_sparse_mla(lse_tol: float) -> Callable[[object, object], dict]:
-    """``out`` within 2 eps of its dtype (or 1e-5) x max|out|; ``lse`` -inf rows equal, then ``lse_tol``."""
-    def check(got, want) -> dict:
-        (out, lse), (w_out, w_lse) = got, want
-        out_tol = max(2 * torch.finfo(out.dtype).eps, 1e-5)
-        inf_ok = _inf_match(lse.float(), w_lse) and not torch.isnan(out).any()
-        out_err = float((out.float() - w_out).abs().max() / w_out.abs().max().clamp_min(1.0))
-        lse_err = _rel_err(lse, w_lse)
-        passed = inf_ok and out_err <= out_tol and lse_err <= lse_tol
-        return {"passed": passed, "max_rel_err": out_err, "lse_rel_err": lse_err, "tol": out_tol,
-                "check": f"-inf lse {'same' if inf_ok else 'DIFFERS'}, out {out_err:.1e} <= {out_tol:.0e}, "
-                         f"lse {lse_err:.1e} <= {lse_tol:.0e}"}
-    return check
-
-
-def fp8_exact_rows(n: int, d: int, gen: torch.Generator, tile: int) -> torch.Tensor:
-    """Rows whose per-``tile`` e4m3 quantization is exact (as in the kernel tests), so every backend
-    must produce the same bytes: e4m3 values times a power of 2, with +-448 in every tile."""
-    vals = torch.randn(n, d, generator=gen).to(torch.float8_e4m3fn).float().view(n, d // tile, tile)
-    vals[:, :, 0] = 448.0 * torch.sign(torch.randn(n, d // tile, generator=gen))
-    exps = torch.randint(-10, 6, (n, d // tile), generator=gen).float()
-    return (vals * torch.exp2(exps)[..., None]).view(n, d)
-
-
-def _ref(op: str, dev: torch.device) -> Callable:
-    from dsa_kernels.dispatch import resolve
-
-    return resolve(op, dev, "torch")[1]
-
-
-def index_key_cases(s: Shapes, dev: torch.device, gen: torch.Generator) -> list[OpCase]:
-    """quantize: read ``n*D*2`` (bf16 keys) + slots, write ``n*(D+4)``; dequantize: the reverse in fp32."""
-    from dsa_kernels.layout import index_page_bytes
-
-    n, d = s.key_rows, s.index_dim
-    pages = -(-n // 64) + 1
-    keys = fp8_exact_rows(n, d, gen, d).to(torch.bfloat16).to(dev)
-    slots = torch.randperm(pages * 64, generator=gen)[:n].to(dev)
-    filled = torch.zeros(pages, index_page_bytes(d), dtype=torch.uint8, device=dev)
-    _ref("quantize_index_keys", dev)(keys, filled, slots)
-
-    def make_quantize():
-        cache = torch.zeros_like(filled)
-        return lambda fn: (fn(keys, cache, slots), cache)[1]
-    io = n * (d + 4) + slots.nbytes
-    return [
-        OpCase("quantize_index_keys", f"quantize_index_keys n={n} D={d}", make_quantize, check_exact,
-               keys.nbytes + io, "B", "n*D*2 + n*(D+4) + slot bytes", "hbm"),
-        OpCase("dequantize_index_keys", f"dequantize_index_keys n={n} D={d}",
-               lambda: lambda fn: fn(filled, slots), check_exact, io + n * d * 4, "B",
-               "n*(D+4) + slot bytes + n*D*4", "hbm"),
-    ]
-
-
-def mla_kv_cases(s: Shapes, dev: torch.device, gen: torch.Generator) -> list[OpCase]:
-    """pack: read bf16 ``kv_c``/``k_pe`` + slots, write ``n*row_bytes``; unpack: read rows, write fp32."""
-    from dsa_kernels.layout import mla_row_bytes
-
-    n, lat, rope = s.key_rows, s.kv_lora_rank, s.rope_dim
-    kv_c = fp8_exact_rows(n, lat, gen, 128).to(torch.bfloat16).to(dev)
-    k_pe = torch.randn(n, rope, generator=gen).to(torch.bfloat16).to(dev)
-    slots = torch.randperm(s.kv_rows, generator=gen)[:n].to(dev)
-    cases = []
-    for kv_dtype in ("bf16", "fp8"):
-        row = mla_row_bytes(lat, rope, kv_dtype)
-        bf16 = kv_dtype == "bf16"
-        shape, dtype = ((s.kv_rows, row // 2), torch.bfloat16) if bf16 else ((s.kv_rows, row), torch.uint8)
-        filled = torch.zeros(shape, dtype=dtype, device=dev)
-        _ref("pack_mla_kv", dev)(kv_c, k_pe, filled, slots)
-
-        def make_pack(shape=shape, dtype=dtype):
-            cache = torch.zeros(shape, dtype=dtype, device=dev)
-            return lambda fn: (fn(kv_c, k_pe, cache, slots), cache)[1]
-        cases += [
-            OpCase("pack_mla_kv", f"pack_mla_kv[{kv_dtype}] n={n}", make_pack, check_exact,
-                   kv_c.nbytes + k_pe.nbytes + slots.nbytes + n * row, "B", "n*(L+R)*2 + slot bytes + n*row_bytes",
-                   "hbm"),
-            OpCase("unpack_mla_kv", f"unpack_mla_kv[{kv_dtype}] n={n}",
-                   lambda filled=filled: lambda fn: fn(filled, slots, lat), check_exact,
-                   n * row + slots.nbytes + n * (lat + rope) * 4, "B", "n*row_bytes + slot bytes + n*(L+R)*4", "hbm"),
-        ]
-    return cases
-
-
-def indexer_cases(s: Shapes, dev: torch.device, gen: torch.Generator) -> list[OpCase]:
-    """Scores over one request's paged fp8 keys for its last ``T`` positions.
-
-    FLOPs = ``2 * H * D * pairs`` with ``pairs = sum_t (pos_t + 1)`` the unmasked (causal) query/key
-    pairs. top-k (torch only): reads ``T*ctx*4`` B, writes ``T*k*4`` B.
-    """
-    from dsa_kernels.layout import index_page_bytes
-
-    t, h, d, ctx = s.index_tokens, s.index_heads, s.index_dim, s.context
-    pages = -(-ctx // 64)
-    table = torch.randperm(pages, generator=gen).to(torch.int32)[None].to(dev)
-    cache = torch.zeros(pages, index_page_bytes(d), dtype=torch.uint8, device=dev)
-    pos_all = torch.arange(ctx, device=dev)
-    slots = table[0, pos_all // 64].long() * 64 + pos_all % 64
-    _ref("quantize_index_keys", dev)(torch.randn(ctx, d, generator=gen).to(dev), cache, slots)
-    q = torch.randn(t, h, d, generator=gen).to(torch.bfloat16).to(dev)
-    w = torch.rand(t, h, generator=gen).to(dev)
-    req = torch.zeros(t, dtype=torch.int32, device=dev)
-    pos = torch.arange(ctx - t, ctx, device=dev)
-    pairs = int((pos + 1).sum())
-    tol = 2e-2 if dev.type == "cuda" else 1e-4  # tl.dot may use tf32 on CUDA
-    scores = _ref("indexer_scores", dev)(q, w, cache, table, req, pos, ctx)
-    from dsa_kernels.reference.indexer import topk_indices
-
-    def check_topk(got, _want) -> dict:
-        ok = bool(torch.equal((got >= 0).sum(1), (pos + 1).clamp(max=s.topk)))
-        return {"passed": ok, "check": "valid count = min(pos + 1, k)" + ("" if ok else ": DIFFERS")}
-    return [
-        OpCase("indexer_scores", f"indexer_scores T={t} H={h} D={d} ctx={ctx}",
-               lambda: lambda fn: fn(q, w, cache, table, req, pos, ctx), check_indexer(tol),
-               2 * h * d * pairs, "FLOP", "2*H*D*sum_t(pos_t+1)", "flops_fp8"),
-        OpCase("topk_indices", f"topk_indices T={t} ctx={ctx} k={s.topk}", lambda: lambda fn: fn(scores, s.topk),
-               check_topk, t * ctx * 4 + t * s.topk * 4, "B", "T*ctx*4 + T*k*4", "hbm", fixed=topk_indices),
-    ]
-
-
-def sparse_mla_cases(s: Shapes, dev: torch.device, gen: torch.Generator) -> list[OpCase]:
-    """FLOPs = ``2 * H * (576 + 512) * valid`` (q.k over L+R, p.v over L) per valid (token, index) pair;
-    row 0 is half -1 padding and row 1 fully masked, as edge cases."""
-    t, h, lat, rope, k = s.attn_tokens, s.attn_heads, s.kv_lora_rank, s.rope_dim, s.topk
-    q = torch.randn(t, h, lat + rope, generator=gen).to(torch.bfloat16).to(dev)
-    kv = torch.randn(s.kv_rows, lat + rope, generator=gen).to(torch.bfloat16).to(dev)
-    idx = torch.randint(0, s.kv_rows, (t, k), generator=gen, dtype=torch.int32)
-    idx[0, k // 2:] = -1
-    idx[1] = -1
-    idx = idx.to(dev)
-    valid = int((idx >= 0).sum())
-    scale = 1.0 / math.sqrt(lat + rope)
-    lse_tol = 1e-2 if dev.type == "cuda" else 1e-4  # tf32 dots on CUDA
-    return [OpCase("sparse_mla_prefill", f"sparse_mla_prefill T={t} H={h} K={k} L+R={lat + rope}",
-                   lambda: lambda fn: fn(q, kv, idx, scale, lat), check_sparse_mla(lse_tol),
-                   2 * h * (2 * lat + rope) * valid, "FLOP", "2*H*((L+R)+L)*valid_indices", "flops_bf16")]
-
-
-def paged_copy_cases(s: Shapes, dev: torch.device, gen: torch.Generator) -> list[OpCase]:
-    """gather/scatter bytes = ``2 * pages * page_bytes`` (each page read once and written once)."""
-    page_bytes = 64 * (s.kv_lora_rank + s.rope_dim) * 2  # one bf16 MLA page
-    dev_gen = torch.Generator(device=dev).manual_seed(int(torch.randint(0, 2**31, (1,), generator=gen)))
-    # bytes drawn on the device: the GLM-5 pool is 600 MB, slow to draw on the host
-    pool = torch.randint(0, 256, (s.pool_pages, page_bytes), dtype=torch.uint8, generator=dev_gen, device=dev)
-    ids = torch.randperm(s.pool_pages, generator=gen)[:s.moved_pages].to(dev)
-    packed = pool[ids.long()].clone()
-    work = 2 * s.moved_pages * page_bytes
-
-    def make_scatter():
-        dst = torch.zeros_like(pool)
-        return lambda fn: (fn(packed, dst, ids), dst)[1]
-    label = f"pages={s.moved_pages} of {s.pool_pages} x {page_bytes} B"
-    return [
-        OpCase("gather_pages", f"gather_pages {label}", lambda: lambda fn: fn(pool, ids), check_exact, work, "B",
-               "2*pages*page_bytes", "hbm"),
-        OpCase("scatter_pages", f"scatter_pages {label}", make_scatter, check_exact, work, "B",
-               "2*pages*page_bytes", "hbm"),
-    ]
-
-
-CASE_BUILDERS = (index_key_cases, mla_kv_cases, indexer_cases, sparse_mla_cases, paged_copy_cases)
-
+# 2. kernels: timing and the section (cases in layersplit/gpu_check_cases.py) ---------------------------
 
 def sync(dev: torch.device) -> None:
     if dev.type == "cuda":
