@@ -11,11 +11,9 @@ from dataclasses import dataclass
 
 import torch
 
-from dsa_kernels.layout import PAGE_SIZE
 from hicache.device_pool import DSADevicePool
 from hicache.paged_buffers import DSACacheSpec, PagedDSABuffers
 from layersplit.batch_plan import BatchPlan
-from layersplit.capacity import scratch_pages_for  # noqa: F401  (re-exported for the engine)
 from layersplit.ownership import OwnershipPlan
 
 MODES = ("redundant", "layersplit")

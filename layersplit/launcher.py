@@ -77,7 +77,7 @@ def _worker(rank: int, world: int, port: int, model: ModelConfig, scenarios: lis
         buf = io.BytesIO()
         torch.save(_run_rank(model, scenarios, rank), buf)
         queue.put((rank, buf.getvalue(), None))
-    except Exception as exc:  # report instead of hanging the parent
+    except Exception:  # report instead of hanging the parent
         import traceback
         queue.put((rank, None, traceback.format_exc()))
         raise

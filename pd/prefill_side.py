@@ -11,7 +11,7 @@ the tombstone keeps it that way).
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 from pd.decode_side import page_payload

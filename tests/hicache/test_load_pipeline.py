@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from hicache.load_pipeline import LayerwiseLoader
-from tests.hicache.conftest import SPEC, fill_random, same_pages
+from tests.hicache.conftest import fill_random, same_pages
 
 
 def gate_stream(stream) -> threading.Event:

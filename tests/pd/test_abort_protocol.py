@@ -3,15 +3,14 @@ paths, and the legacy immediate release reproducing the overwrite race."""
 
 from __future__ import annotations
 
-import dataclasses
 import random
 
 import pytest
 
-from pd.abort_stress import PDCluster, PDStressConfig, run_pd_stress
+from pd.abort_stress import PDStressConfig, run_pd_stress
 from pd.channel import ChannelFaults, ControlChannel
-from pd.decode_side import FAILED, DecodeConfig, DecodeNode, DecodeKV
-from pd.messages import Abort, AbortAck, TransferRequest
+from pd.decode_side import FAILED, DecodeConfig, DecodeNode
+from pd.messages import AbortAck
 from pd.prefill_side import PrefillConfig, PrefillNode
 from pd.sim import EventLoop
 from pd.transfer_engine import EngineFaults, TransferEngine, WriteTag
