@@ -28,7 +28,7 @@ import torch
 from hicache.device_pool import DSADevicePool
 from hicache.host_pool import DSAHostPool
 from hicache.streams import Event, Runtime, Stream
-from hicache.transfer import copy_layer_part
+from hicache.transfer import PageIds, copy_layer_part
 
 UNSAFE_CHOICES = ("indexer", "kv", "fence")
 
@@ -94,24 +94,24 @@ class LayerwiseLoader:
         if "fence" not in self.unsafe_skip:
             for fence in fences:
                 self.stream.wait_event(fence)
-        src = torch.tensor(host_pages, dtype=torch.int64)
-        dst = torch.tensor(device_pages, dtype=torch.int64)  # moved to the device on the load stream
+        ids = PageIds(self.host_pool, host_pages, self.device_pool, device_pages)
         load = LayerLoad(self.host_pool.layers, list(host_pages), list(device_pages), {}, {}, self.unsafe_skip)
+        self.stream.submit(ids.stage, name="stage")  # page ids reach the device once, on this stream
         if poison is not None:
-            self.stream.submit(lambda: self.device_pool.fill_pages(dst.to(self.device_pool.device), poison), name="poison")
+            self.stream.submit(lambda: self.device_pool.fill_pages(ids.dst, poison), name="poison")
         for layer in self.host_pool.layers:
             parts = ("index", "kv") if self.host_pool.spec.has_indexer(layer) else ("kv",)
             for part in parts:
-                self.stream.submit(self._copy(load, src, dst, layer, part), name=f"{part}[{layer}]")
+                self.stream.submit(self._copy(load, ids, layer, part), name=f"{part}[{layer}]")
                 event = self.runtime.event()
                 event.record(self.stream)
                 (load.indexer_ready if part == "index" else load.kv_ready)[layer] = event
         self._inflight.append(load)
         return load
 
-    def _copy(self, load: LayerLoad, src: torch.Tensor, dst: torch.Tensor, layer: int, part: str):
+    def _copy(self, load: LayerLoad, ids: PageIds, layer: int, part: str):
         def run() -> None:
-            staged = copy_layer_part(self.host_pool, src, self.device_pool, dst, layer, part)
+            staged = copy_layer_part(self.host_pool, self.device_pool, ids, layer, part)
             load.bytes_copied += staged[0].numel()
             load.staging.extend(staged)
         return run

@@ -27,7 +27,7 @@ from hicache.allocator import OutOfPages
 from hicache.device_pool import DSADevicePool
 from hicache.host_pool import DSAHostPool
 from hicache.streams import Event, Runtime
-from hicache.transfer import copy_layer_part
+from hicache.transfer import PageIds, copy_layer_part
 
 _clock = itertools.count()
 
@@ -181,13 +181,13 @@ class PrefixIndex:
         stream = self.rt.stream("offload")
         if after is not None:
             stream.wait_event(after)  # hazard: the forward that wrote these pages must finish first
-        src = torch.tensor(node.device_pages, dtype=torch.int64)  # moved to the device on the offload stream
-        dst = torch.tensor(node.host_pages, dtype=torch.int64)
+        ids = PageIds(self.device_pool, node.device_pages, self.host_pool, node.host_pages)
+        stream.submit(ids.stage, name="stage")  # page ids reach the device once, on this stream
         staging: list[torch.Tensor] = []
         for layer in self.host_pool.layers:
             for part in ("index", "kv") if self.host_pool.spec.has_indexer(layer) else ("kv",):
                 stream.submit(lambda layer=layer, part=part: staging.extend(
-                    copy_layer_part(self.device_pool, src, self.host_pool, dst, layer, part)), name=f"d2h-{part}[{layer}]")
+                    copy_layer_part(self.device_pool, self.host_pool, ids, layer, part)), name=f"d2h-{part}[{layer}]")
         event = self.rt.event()
         event.record(stream)
         return event

@@ -82,6 +82,7 @@ class _Batch:
     outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     poisoned: int = 0
     slots: torch.Tensor | None = None
+    page_table: torch.Tensor | None = None  # device pages, set on the forward stream
     done: object = None  # event recorded after the batch's forward work
 
 
@@ -183,29 +184,28 @@ class _Harness:
         host_view = host_table.clone().apply_(lambda p: remap.get(p, 0))
         moved = _Batch(batch.req_idx, batch.positions, batch.q_index, batch.weights, batch.q_attn, batch.max_ctx,
                        batch.reference)
-        table = {}
 
         def stage() -> None:  # inputs reach the device on the forward stream that reads them
             dev = self.device.device
             moved.req_idx, moved.positions = moved.req_idx.to(dev), moved.positions.to(dev)
             moved.q_index, moved.weights, moved.q_attn = (x.to(dev) for x in (moved.q_index, moved.weights, moved.q_attn))
-            table["pages"] = host_view.to(dev)
+            moved.page_table = host_view.to(dev)
         self.fwd.submit(stage, name="stage")
-        self._queue_forward(moved, load, table)
+        self._queue_forward(moved, load)
         done = self.rt.event()
         done.record(self.fwd)
         moved.done = done
         self.device.allocator.free(dev_pages, fence=done)  # reuse waits for this batch's forward
         return moved
 
-    def _queue_forward(self, b: _Batch, load: LayerLoad, table: dict) -> None:
+    def _queue_forward(self, b: _Batch, load: LayerLoad) -> None:
         spec, dev, cfg = self.spec, self.device, self.cfg
         for layer in range(spec.num_layers):
             if spec.has_indexer(layer):
                 load.wait_indexer(layer, self.fwd)  # hazard: the indexer reads this layer's keys
 
                 def indexer(layer: int = layer) -> None:
-                    _indexer_layer(b, dev.index[layer], table["pages"], cfg.topk, track_poison=True)
+                    _indexer_layer(b, dev.index[layer], b.page_table, cfg.topk, track_poison=True)
                 self.fwd.submit(indexer, name=f"indexer[{layer}]")
             load.wait_kv(layer, self.fwd)  # hazard: attention reads this layer's KV
 

@@ -1,8 +1,7 @@
 """Page copies between two paged pools (host <-> device, or within one device), one layer part at a time.
 
 Called from a stream's worker (emulated) or under a stream context (CUDA), so every tensor op here
--- including moving the page-id tensors (given on the CPU) to their devices -- is ordered on that
-stream. Cross-device copies stage the packed pages in a pinned buffer and
+is ordered on that stream; the page ids reach their devices once per transfer (:class:`PageIds`). Cross-device copies stage the packed pages in a pinned buffer and
 copy them with ``non_blocking=True``; the staging tensor is returned so the caller keeps it alive
 until the stream's event for this copy has completed.
 """
@@ -24,10 +23,25 @@ def part_pages(pool: PagedDSABuffers, layer: int, part: str) -> torch.Tensor:
     return buf
 
 
-def copy_layer_part(src: PagedDSABuffers, src_pages: torch.Tensor, dst: PagedDSABuffers,
-                    dst_pages: torch.Tensor, layer: int, part: str) -> list[torch.Tensor]:
-    """``dst[layer].part[dst_pages] = src[layer].part[src_pages]``; returns the staging buffers."""
-    packed = gather_pages(part_pages(src, layer, part), src_pages.to(src.device))
+class PageIds:
+    """The page ids of one transfer, given on the host, moved to their pools' devices once.
+
+    Call :meth:`stage` as the first operation on the copying stream; every layer's copy then uses
+    the staged tensors instead of moving the ids again.
+    """
+
+    def __init__(self, src: PagedDSABuffers, src_pages: list[int], dst: PagedDSABuffers, dst_pages: list[int]) -> None:
+        self._devices = (src.device, dst.device)
+        self.src = torch.tensor(src_pages, dtype=torch.int64)
+        self.dst = torch.tensor(dst_pages, dtype=torch.int64)
+
+    def stage(self) -> None:
+        self.src, self.dst = self.src.to(self._devices[0]), self.dst.to(self._devices[1])
+
+
+def copy_layer_part(src: PagedDSABuffers, dst: PagedDSABuffers, ids: PageIds, layer: int, part: str) -> list[torch.Tensor]:
+    """``dst[layer].part[ids.dst] = src[layer].part[ids.src]``; returns the staging buffers."""
+    packed = gather_pages(part_pages(src, layer, part), ids.src)
     staging = [packed]
     if dst.device != src.device:
         if dst.device.type == "cuda" and not packed.is_pinned():
@@ -35,5 +49,5 @@ def copy_layer_part(src: PagedDSABuffers, src_pages: torch.Tensor, dst: PagedDSA
             staging.append(packed)
         packed = packed.to(dst.device, non_blocking=True)
         staging.append(packed)
-    scatter_pages(packed, part_pages(dst, layer, part), dst_pages.to(dst.device))
+    scatter_pages(packed, part_pages(dst, layer, part), ids.dst)
     return staging

@@ -15,17 +15,39 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from dsa_kernels.layout import PAGE_SIZE
 from layersplit.config import HardwareConfig, ModelConfig
 from layersplit.ownership import plan_ownership
 
 WEIGHT_BYTES = {"fp8": 1.0, "bf16": 2.0, "none": 0.0}
-PAGE_SIZE = 64
 
 
 def scratch_pages_for(max_batch_tokens: int, max_requests: int) -> int:
     """Pages of one scratch slot: any batch of ``max_batch_tokens`` context tokens in at most
     ``max_requests`` requests (each request may end in a partial page)."""
     return -(-max_batch_tokens // PAGE_SIZE) + max_requests
+
+
+@dataclass(frozen=True)
+class ModeBytes:
+    """Per-rank cache bytes per token of one mode, and the layers each rank keeps."""
+
+    mode: str
+    bytes_per_token: int  # worst rank
+    held_layers: tuple[tuple[int, ...], ...]  # per rank
+    scratch_bytes: int  # layersplit: two slots of one remote layer's rows for a whole batch
+
+
+def mode_bytes(model: ModelConfig, cp: int, kv_dtype: str, mode: str, max_batch_tokens: int,
+               max_requests: int, ownership: str = "contiguous") -> ModeBytes:
+    """Bytes per token a rank stores in ``mode`` ('redundant' or 'layersplit')."""
+    per_layer = [model.layer_bytes_per_token(layer, kv_dtype) for layer in range(model.num_layers)]
+    if mode == "redundant":
+        return ModeBytes(mode, sum(per_layer), (tuple(range(model.num_layers)),) * cp, 0)
+    own = plan_ownership(model.num_layers, cp, ownership)
+    held = tuple(own.owned_layers(r) for r in range(cp))
+    scratch = 2 * scratch_pages_for(max_batch_tokens, max_requests) * PAGE_SIZE * max(per_layer) if cp > 1 else 0
+    return ModeBytes(mode, max(sum(per_layer[layer] for layer in h) for h in held), held, scratch)
 
 
 @dataclass(frozen=True)
@@ -60,6 +82,8 @@ def capacity_plan(model: ModelConfig, hw: HardwareConfig, req: PlanRequest) -> d
     _check(req)
     own = plan_ownership(model.num_layers, req.cp, req.ownership)
     per_layer = [model.layer_bytes_per_token(layer, req.kv_dtype) for layer in range(model.num_layers)]
+    redundant = mode_bytes(model, req.cp, req.kv_dtype, "redundant", req.max_batch_tokens, req.max_requests)
+    split = mode_bytes(model, req.cp, req.kv_dtype, "layersplit", req.max_batch_tokens, req.max_requests, req.ownership)
     shards = req.weight_shards or req.cp
     weight_bytes = model.param_count() * WEIGHT_BYTES[req.weight_dtype] / shards
     budget = hw.hbm_bytes * req.mem_fraction - weight_bytes
@@ -68,9 +92,8 @@ def capacity_plan(model: ModelConfig, hw: HardwareConfig, req: PlanRequest) -> d
             f"KV budget: expected > 0 bytes per rank, got {budget:.3e} ({hw.name} {hw.hbm_bytes:.3e} B x "
             f"{req.mem_fraction} - weights {weight_bytes:.3e} B); use more --weight-shards or another --hardware"
         )
-    redundant_per_token = sum(per_layer)
-    owned_per_token = max(sum(per_layer[layer] for layer in own.owned_layers(r)) for r in range(req.cp))
-    scratch_bytes = 2 * scratch_pages_for(req.max_batch_tokens, req.max_requests) * PAGE_SIZE * max(per_layer)
+    redundant_per_token, owned_per_token = redundant.bytes_per_token, split.bytes_per_token
+    scratch_bytes = split.scratch_bytes
     upstream_per_token = owned_per_token + max(per_layer)
     tokens_redundant = int(budget // redundant_per_token)
     tokens_layersplit = max(0, int((budget - scratch_bytes) // owned_per_token))

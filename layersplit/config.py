@@ -88,27 +88,32 @@ class ModelConfig:
     def layer_bytes_per_token(self, layer: int, kv_dtype: str) -> int:
         return self.kv_bytes_per_token(kv_dtype) + (self.index_bytes_per_token if self.has_indexer(layer) else 0)
 
-    def param_count(self) -> int:
-        """Weights of the main layers + embeddings + head (MTP layers excluded), from the dims.
-
-        Attention: q_a, q_b, kv_a (latent + rope), kv_b, o; indexer: wq_b, wk, head weights;
-        dense MLP 3 x hidden x intermediate; MoE: (routed + shared) x 3 x hidden x moe_inter + router.
-        """
+    def attention_params(self, layer: int) -> int:
+        """MLA (q_a, q_b, kv_a latent + rope, kv_b, o) plus, on indexer layers, the indexer (wq_b, wk, head weights)."""
         h, heads = self.hidden_size, self.num_heads
         qk = self.qk_nope_head_dim + self.qk_rope_head_dim
         attn = (h * self.q_lora_rank + self.q_lora_rank * heads * qk
                 + h * (self.kv_lora_rank + self.qk_rope_head_dim)
                 + self.kv_lora_rank * heads * (self.qk_nope_head_dim + self.v_head_dim)
                 + heads * self.v_head_dim * h)
-        indexer = (self.q_lora_rank * self.index_n_heads * self.index_head_dim
-                   + h * self.index_head_dim + h * self.index_n_heads)
-        dense = 3 * h * self.intermediate_size
-        moe = (self.n_routed_experts + self.n_shared_experts) * 3 * h * self.moe_intermediate_size
-        moe += h * self.n_routed_experts
-        n_moe = self.num_layers - self.first_k_dense
-        total = self.num_layers * attn + len(self.indexer_layer_ids) * indexer
-        total += self.first_k_dense * dense + n_moe * moe
-        return total + 2 * self.vocab_size * h
+        if self.has_indexer(layer):
+            attn += self.q_lora_rank * self.index_n_heads * self.index_head_dim + h * (self.index_head_dim + self.index_n_heads)
+        return attn
+
+    def mlp_params(self, layer: int, active: bool = False) -> int:
+        """Dense SwiGLU (3 x hidden x intermediate) on the first layers; MoE (routed + shared experts + router)
+        after. ``active``: only the experts one token uses (top-k routed + shared)."""
+        h = self.hidden_size
+        if layer < self.first_k_dense:
+            return 3 * h * self.intermediate_size
+        experts = self.num_experts_per_tok if active else self.n_routed_experts
+        router = 0 if active else h * self.n_routed_experts
+        return (experts + self.n_shared_experts) * 3 * h * self.moe_intermediate_size + router
+
+    def param_count(self) -> int:
+        """Weights of the main layers + embeddings + head (MTP layers excluded), from the dims."""
+        layers = sum(self.attention_params(layer) + self.mlp_params(layer) for layer in range(self.num_layers))
+        return layers + 2 * self.vocab_size * self.hidden_size
 
 
 @dataclass(frozen=True)

@@ -26,10 +26,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from layersplit.capacity import PAGE_SIZE
+from dsa_kernels.layout import PAGE_SIZE
+from layersplit.capacity import ModeBytes
 from layersplit.config import HardwareConfig, ModelConfig
 from layersplit.serving import Batch
-from layersplit.workload import ModeBytes
 
 
 @dataclass(frozen=True)
@@ -61,31 +61,39 @@ class CostModel:
         self.kv_bytes = model.kv_bytes_per_token(kv_dtype)
         self.owner = {layer: r for r, held in enumerate(mb.held_layers) for layer in held} if mb.mode == "layersplit" else {}
 
-    def _params(self, layer: int) -> tuple[float, float]:
-        """(attention-side, MLP-side) active parameters of ``layer``."""
-        m = self.m
-        qk = m.qk_nope_head_dim + m.qk_rope_head_dim
-        attn = (m.hidden_size * m.q_lora_rank + m.q_lora_rank * m.num_heads * qk
-                + m.hidden_size * (m.kv_lora_rank + m.qk_rope_head_dim)
-                + m.kv_lora_rank * m.num_heads * (m.qk_nope_head_dim + m.v_head_dim) + m.num_heads * m.v_head_dim * m.hidden_size)
-        if m.has_indexer(layer):
-            attn += m.q_lora_rank * m.index_n_heads * m.index_head_dim + m.hidden_size * (m.index_head_dim + m.index_n_heads)
-        if layer < m.first_k_dense:
-            return attn, 3 * m.hidden_size * m.intermediate_size
-        return attn, (m.num_experts_per_tok + m.n_shared_experts) * 3 * m.hidden_size * m.moe_intermediate_size
-
     def _gemm_s(self, flops: float, rows: float) -> float:
         e = self.eff.gemm_max * rows / (rows + self.eff.gemm_half_rows)
         return flops / (self.hw.dense_flops_fp8 * e) if flops else 0.0
 
-    def batch(self, batch: Batch) -> BatchCost:
+    def _layer_times(self, batch: Batch, reqs: list[tuple[int, int, str]]) -> list[dict[str, float]]:
+        """Per layer, the same on every rank: projections + all-gather, indexer, attention, MLP (s)."""
         m, cp, hw = self.m, self.cp, self.hw
         new = batch.new_tokens
+        moe_rows = new * m.num_experts_per_tok / m.n_routed_experts
+        nv = hw.nvlink_bandwidth * self.eff.nvlink
+        indexer_s = sum(2 * m.index_n_heads * m.index_head_dim * n * (p + n / 2) for p, n, _ in reqs) / cp
+        indexer_s /= hw.dense_flops_fp8 * self.eff.indexer
+        attn_s = sum(2 * m.num_heads * min(m.index_topk, p + n) * (2 * m.kv_lora_rank + m.qk_rope_head_dim) * n
+                     for p, n, _ in reqs) / cp / (hw.dense_flops_bf16 * self.eff.attention)
+        times = []
+        for layer in range(m.num_layers):
+            rows = moe_rows if layer >= m.first_k_dense else new / cp
+            times.append({
+                "pre": self._gemm_s(2 * m.attention_params(layer) * new / cp, new / cp)
+                       + new * self.per_layer[layer] * (cp - 1) / cp / nv,  # + all-gather of the new rows
+                "indexer": indexer_s if m.has_indexer(layer) else 0.0,
+                "attention": attn_s,
+                "mlp": self._gemm_s(2 * m.mlp_params(layer, active=True) * new / cp, rows),
+            })
+        return times
+
+    def batch(self, batch: Batch) -> BatchCost:
+        m, cp, hw = self.m, self.cp, self.hw
         reqs = [(s.req.prefix if s.tier != "miss" else 0, s.prefill_tokens, s.tier) for s in batch.served]
         reload_rows = sum(pages_rows(p) for p, _, tier in reqs if tier == "L2")
         bcast_rows = sum(pages_rows(p) for p, _, _ in reqs) if self.owner and cp > 1 else 0
-        moe_rows = new * m.num_experts_per_tok / m.n_routed_experts
         nv = hw.nvlink_bandwidth * self.eff.nvlink
+        layer_s = self._layer_times(batch, reqs)
         loads = {}
         for r, held in enumerate(self.mb.held_layers):  # each rank's load stream, from t = 0
             t = 0.0
@@ -95,31 +103,21 @@ class CostModel:
         end, exposed_max = 0.0, 0.0
         for r in range(cp):
             t, exposed, issue = 0.0, 0.0, 0.0
-            for layer in range(m.num_layers):
-                p_attn, p_mlp = self._params(layer)
-                t += self._gemm_s(2 * p_attn * new / cp, new / cp)
-                t += new * self.per_layer[layer] * (cp - 1) / cp / nv  # all-gather of the new rows
+            for layer, ts in enumerate(layer_s):
+                t += ts["pre"]
                 owner = self.owner.get(layer, r)
-                ready = loads.get((owner, layer), 0.0)
-                idx_ready = kv_ready = ready
+                idx_ready = kv_ready = loads.get((owner, layer), 0.0)
                 if owner != r and bcast_rows:
-                    start = max(issue, ready)
-                    idx_bytes = bcast_rows * (self.per_layer[layer] - self.kv_bytes)
-                    idx_ready = start + idx_bytes / nv
+                    start = max(issue, idx_ready)
+                    idx_ready = start + bcast_rows * (self.per_layer[layer] - self.kv_bytes) / nv
                     kv_ready = idx_ready + bcast_rows * self.kv_bytes / nv
                 if m.has_indexer(layer):
                     exposed += max(0.0, idx_ready - t) if owner != r else 0.0
-                    t = max(t, idx_ready)
-                    flops = sum(2 * m.index_n_heads * m.index_head_dim * n * (p + n / 2) for p, n, _ in reqs) / cp
-                    t += flops / (hw.dense_flops_fp8 * self.eff.indexer)
+                    t = max(t, idx_ready) + ts["indexer"]
                 exposed += max(0.0, kv_ready - t) if owner != r else 0.0
-                t = max(t, kv_ready)
-                attn = sum(2 * m.num_heads * min(m.index_topk, p + n) * (2 * m.kv_lora_rank + m.qk_rope_head_dim) * n
-                           for p, n, _ in reqs) / cp
-                t += attn / (hw.dense_flops_bf16 * self.eff.attention)
+                t = max(t, kv_ready) + ts["attention"]
                 issue = t  # layer l+1's broadcast is issued before this layer's MLP
-                t += self._gemm_s(2 * p_mlp * new / cp, moe_rows if layer >= m.first_k_dense else new / cp)
+                t += ts["mlp"]
             end, exposed_max = max(end, t), max(exposed_max, exposed)
         reload = max(reload_rows * sum(self.per_layer[layer] for layer in held) for held in self.mb.held_layers)
-        bcast = bcast_rows * sum(self.per_layer)
-        return BatchCost(end, exposed_max, reload, bcast)
+        return BatchCost(end, exposed_max, reload, bcast_rows * sum(self.per_layer))

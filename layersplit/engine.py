@@ -25,6 +25,7 @@ import torch
 
 from dsa_kernels import (gather_pages, indexer_scores, pack_mla_kv, positions_to_slots, quantize_index_keys,
                          sparse_mla_prefill, topk_indices)
+from dsa_kernels.layout import PAGE_SIZE
 from hicache.host_pool import DSAHostPool
 from hicache.load_pipeline import LayerwiseLoader
 from hicache.streams import Event, Runtime
@@ -84,7 +85,7 @@ def fill_prefix(buffers, layers, plan: BatchPlan, seed: int, only: list[int] | N
         if req.prefix_len == 0 or (only is not None and b not in only):
             continue
         pos = torch.arange(req.prefix_len, device=plan.pool_table.device)
-        slots = (plan.pool_table[b, pos // 64].long() * 64 + pos % 64).to(buffers.device)
+        slots = (plan.pool_table[b, pos // PAGE_SIZE].long() * PAGE_SIZE + pos % PAGE_SIZE).to(buffers.device)
         for layer in layers:
             kv_c, k_pe, index_k = (x.to(buffers.device) for x in prefix_rows(buffers.spec, b, layer, req.prefix_len, seed))
             buffers.set_mla_kv_buffer(layer, slots, kv_c, k_pe)
@@ -124,7 +125,7 @@ class RankEngine:
         host = DSAHostPool(self.spec, self.cfg.pool_pages, layers=self.pool.pool.layers)
         host.allocator.alloc(self.cfg.pool_pages)  # page ids mirror the device pool's
         fill_prefix(host, host.layers, plan, self.cfg.prefix_seed, only=host_reqs)
-        pages = sorted({p for b in host_reqs for p in plan.pool_pages[b][: -(-plan.requests[b].prefix_len // 64)]})
+        pages = sorted({p for b in host_reqs for p in plan.pool_pages[b][: -(-plan.requests[b].prefix_len // PAGE_SIZE)]})
         self.pool.pool.fill_pages(torch.tensor(pages, dtype=torch.int64), POISON)
         if self.cfg.hicache_delay_s > 0:
             lim = self.cfg.hicache_delay_s
@@ -149,7 +150,7 @@ class RankEngine:
             events[part] = self.comm.broadcast(
                 f"bcast_{part}[{layer}]", owner, lambda s=src_pages: gather_pages(s, plan.bcast_pages), recv,
                 after, layer=layer)
-            page_bytes = self.spec.index_page_bytes if part == "index" else 64 * self.spec.kv_row_bytes
+            page_bytes = self.spec.index_page_bytes if part == "index" else PAGE_SIZE * self.spec.kv_row_bytes
             self._bcast_bytes[layer] = self._bcast_bytes.get(layer, 0) + plan.n_bcast * page_bytes
         return events
 
@@ -174,18 +175,21 @@ class RankEngine:
         p = self.model.project(layer, h, pos)
         ev_new, out = self._gather_new_rows(layer, p, plan)
         rb: ReadBuffers = self.pool.read_buffers(layer, plan)
-        if owner_here and load is not None:  # the load writes whole pages: new rows go in after it
-            self._wait(f"hicache_kv[{layer}]", load.kv_ready[layer], layer)
+        loading = owner_here and load is not None  # this rank's prefix rows of the layer come from host
         self._wait(f"allgather_new[{layer}]", ev_new, layer)
         rows = self._rows(out, plan)
         if spec.has_indexer(layer):
-            if not owner_here:
+            if loading:  # the load writes whole pages: the new keys go in after it, the indexer reads both
+                self._wait(f"hicache_index[{layer}]", load.indexer_ready[layer], layer)
+            elif not owner_here:
                 self._wait(f"bcast_index[{layer}]", bcast.get("index"), layer)
             quantize_index_keys(rows[:, lat + rope:], rb.index, rb.new_slots)
             with self.tracer.span(f"indexer[{layer}]", layer=layer):
                 scores = indexer_scores(p.q_index, p.index_weights, rb.index, rb.table, req, pos, plan.max_ctx)
                 state["top"] = topk_indices(scores, self.topk)
-        if not owner_here:
+        if loading:  # KV kept landing under the indexer
+            self._wait(f"hicache_kv[{layer}]", load.kv_ready[layer], layer)
+        elif not owner_here:
             self._wait(f"bcast_kv[{layer}]", bcast.get("kv"), layer)
         pack_mla_kv(rows[:, :lat], rows[:, lat:lat + rope], rb.kv, rb.new_slots)
         with self.tracer.span(f"attention[{layer}]", layer=layer):
@@ -217,11 +221,11 @@ class RankEngine:
                 h = self.model.mlp(layer, h)
         h = self.model.final_norm(h)
         self.comm.stream.synchronize()
+        if load is not None:
+            load.kv_ready[self.pool.pool.layers[-1]].synchronize()
         seconds = time.perf_counter() - start
         for b in range(len(requests)):
             self.pool.pool.allocator.free(plan.pool_pages[b])
-        if load is not None:
-            load.kv_ready[self.pool.pool.layers[-1]].synchronize()
         waits = sum(e["dur"] for e in self.tracer.events if e["name"].startswith("wait bcast")) / 1e6
         return RankResult(self.rank, h.cpu(), loc.cpu(), seconds, self.pool.kv_bytes(), dict(self._bcast_bytes),
                           list(self.tracer.events), load.bytes_copied if load else 0, waits)

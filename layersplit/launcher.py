@@ -68,6 +68,7 @@ def _run_rank(model: ModelConfig, scenarios: list[Scenario], rank: int) -> list[
 
 def _worker(rank: int, world: int, port: int, model: ModelConfig, scenarios: list[Scenario], queue) -> None:
     torch.set_num_threads(1)  # N ranks share the machine's cores
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # the ranks talk over loopback
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(rank % torch.cuda.device_count())
@@ -117,5 +118,3 @@ def run_reference(model: ModelConfig, scenario: Scenario) -> CPResult:
     single = Scenario(scenario.name, scenario.requests, cfg, scenario.model)
     return _merge(scenario.name, _run_rank(model, [single], 0))
 
-
-os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # spawned ranks talk over loopback

@@ -42,6 +42,7 @@ def make_requests(n: int, context: int, hit: float, vocab: int, seed: int):
 def run_prefill(args: argparse.Namespace) -> int:
     import torch
 
+    from dsa_kernels.layout import PAGE_SIZE
     from layersplit.config import load_model
     from layersplit.engine import EngineConfig
     from layersplit.launcher import Scenario, run_cp, run_reference
@@ -51,7 +52,7 @@ def run_prefill(args: argparse.Namespace) -> int:
     requests = make_requests(args.requests, args.context, args.hit, model.vocab_size, args.seed)
     tokens = args.requests * args.context
     cfg = EngineConfig(mode=args.mode, cp=args.cp, ownership=args.ownership, split=args.split,
-                       pool_pages=args.requests * (-(-args.context // 64)), max_batch_tokens=tokens,
+                       pool_pages=args.requests * (-(-args.context // PAGE_SIZE)), max_batch_tokens=tokens,
                        max_requests=args.requests)
     scenario = Scenario("cli", requests, cfg)
     result = run_cp(model, [scenario], args.cp)[0]

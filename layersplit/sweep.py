@@ -17,7 +17,8 @@ from layersplit.cost_model import CostModel
 from layersplit.serving import ServingLoop
 from layersplit.sweep_config import SweepConfig
 from layersplit.sweep_engines import ModelEngine, RealEngine
-from layersplit.workload import capacity, make_requests, mode_bytes
+from layersplit.capacity import mode_bytes
+from layersplit.workload import capacity, make_requests
 
 MODES = ("redundant", "layersplit")
 SEED_GAIN = {40000: 10.0, 120000: 132.0}  # the seed's reported gains (percent) at the ends of the range

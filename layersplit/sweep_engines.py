@@ -12,7 +12,8 @@ import torch
 
 from layersplit.batch_plan import Request
 from layersplit.config import ModelConfig
-from layersplit.cost_model import BatchCost, CostModel, pages_rows
+from dsa_kernels.layout import PAGE_SIZE
+from layersplit.cost_model import BatchCost, CostModel
 from layersplit.engine import EngineConfig
 from layersplit.launcher import Scenario, run_cp
 from layersplit.serving import Batch
@@ -31,8 +32,8 @@ class RealEngine:
             prefix = 0 if s.tier == "miss" else s.req.prefix
             tokens = tuple(torch.randint(0, self.model.vocab_size, (s.prefill_tokens,), generator=g).tolist())
             reqs.append(Request(prefix, tokens, from_host=s.tier == "L2"))
-        pages = sum(-(-(r.prefix_len + len(r.new_tokens)) // 64) for r in reqs)
-        cfg = EngineConfig(mode=mode, cp=self.cp, pool_pages=pages, max_batch_tokens=pages * 64,
+        pages = sum(-(-(r.prefix_len + len(r.new_tokens)) // PAGE_SIZE) for r in reqs)
+        cfg = EngineConfig(mode=mode, cp=self.cp, pool_pages=pages, max_batch_tokens=pages * PAGE_SIZE,
                            max_requests=len(reqs), kv_dtype=self.kv_dtype, trace=True)
         return Scenario(f"batch{i}", reqs, cfg)
 
@@ -51,5 +52,3 @@ class ModelEngine:
     def run(self, batches: list[Batch], mode: str) -> list[BatchCost]:
         return [self.cost[mode].batch(b) for b in batches]
 
-
-__all__ = ["RealEngine", "ModelEngine", "pages_rows"]

@@ -1,4 +1,4 @@
-"""Coding-agent workload and per-mode tier capacities for the sweep.
+"""Coding-agent workload and per-mode tier capacities for the sweep (bytes per mode: ``capacity.mode_bytes``).
 
 Each session has a reusable prefix of ``(1 - new_fraction) * L`` tokens (repository files, system
 prompt, earlier turns) and every turn appends ``new_fraction * L`` new tokens. Requests arrive as a
@@ -8,11 +8,8 @@ seeded random sequence of sessions, so how many sessions stay resident decides t
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
 
-from layersplit.capacity import PAGE_SIZE, scratch_pages_for
-from layersplit.config import ModelConfig
-from layersplit.ownership import plan_ownership
+from layersplit.capacity import ModeBytes
 from layersplit.serving import Capacity, Req
 
 
@@ -20,28 +17,6 @@ def make_requests(length: int, new_fraction: float, sessions: int, requests: int
     new = max(1, round(length * new_fraction))
     rng = random.Random(seed)
     return [Req(rng.randrange(sessions), length - new, new) for _ in range(requests)]
-
-
-@dataclass(frozen=True)
-class ModeBytes:
-    """Per-rank cache bytes per token of one mode, and the layers each rank keeps."""
-
-    mode: str
-    bytes_per_token: int  # worst rank
-    held_layers: tuple[tuple[int, ...], ...]  # per rank
-    scratch_bytes: int
-
-
-def mode_bytes(model: ModelConfig, cp: int, kv_dtype: str, mode: str, max_batch_context: int,
-               max_batch_requests: int) -> ModeBytes:
-    per_layer = [model.layer_bytes_per_token(layer, kv_dtype) for layer in range(model.num_layers)]
-    if mode == "redundant":
-        every = tuple(range(model.num_layers))
-        return ModeBytes(mode, sum(per_layer), (every,) * cp, 0)
-    own = plan_ownership(model.num_layers, cp)
-    held = tuple(own.owned_layers(r) for r in range(cp))
-    scratch = 2 * scratch_pages_for(max_batch_context, max_batch_requests) * PAGE_SIZE * max(per_layer) if cp > 1 else 0
-    return ModeBytes(mode, max(sum(per_layer[layer] for layer in h) for h in held), held, scratch)
 
 
 def capacity(mb: ModeBytes, device_bytes: float, host_bytes: float) -> Capacity:

@@ -10,7 +10,7 @@ from layersplit.config import load_hardware, load_model
 from layersplit.cost_model import CostModel
 from layersplit.serving import Capacity, Req, ServingLoop
 from layersplit.sweep_engines import ModelEngine, RealEngine
-from layersplit.workload import mode_bytes
+from layersplit.capacity import mode_bytes
 
 
 def tiers(batches):
