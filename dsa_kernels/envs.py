@@ -32,9 +32,31 @@ def sglang_plugin_enabled() -> bool:
     return os.environ.get("LAYERSPLIT_SGLANG_PLUGIN", "0").strip().lower() in ("1", "true", "yes", "on")
 
 
-def sglang_ownership() -> str:
-    """``LAYERSPLIT_SGLANG_OWNERSHIP``: contiguous (default, upstream's split) | round-robin."""
-    return os.environ.get("LAYERSPLIT_SGLANG_OWNERSHIP", "contiguous").strip().lower()
+def sglang_scratch_tokens() -> int:
+    """``LAYERSPLIT_SGLANG_SCRATCH_TOKENS``: rows of each of the plug-in's two KV staging slots
+    (default 131072, a 128k-token batch; a larger batch grows them, logged)."""
+    raw = os.environ.get("LAYERSPLIT_SGLANG_SCRATCH_TOKENS", "131072").strip()
+    try:
+        value = int(raw)
+    except ValueError:
+        value = 0
+    if value <= 0:
+        raise ValueError(f"LAYERSPLIT_SGLANG_SCRATCH_TOKENS: expected a positive integer, got {raw!r}")
+    return value
+
+
+SGLANG_UNSAFE_SKIPS = ("index_wait",)
+
+
+def sglang_unsafe_skip() -> frozenset[str]:
+    """``LAYERSPLIT_SGLANG_UNSAFE_SKIP``: comma list of waits the plug-in leaves out, **for stress tests
+    only** (``index_wait``: the indexer reads HiCache-loaded index keys without waiting for them)."""
+    raw = os.environ.get("LAYERSPLIT_SGLANG_UNSAFE_SKIP", "")
+    values = frozenset(v.strip().lower() for v in raw.split(",") if v.strip())
+    bad = sorted(values - set(SGLANG_UNSAFE_SKIPS))
+    if bad:
+        raise ValueError(f"LAYERSPLIT_SGLANG_UNSAFE_SKIP: expected a subset of {SGLANG_UNSAFE_SKIPS}, got {bad}")
+    return values
 
 
 def sglang_spec_monitor_enabled() -> bool:

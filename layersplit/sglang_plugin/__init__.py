@@ -1,89 +1,137 @@
-"""SGLang plug-in: our LayerSplit pool inside a real SGLang prefill worker, without a fork.
+"""SGLang plug-in: our LayerSplit pool, HiCache load order and monitor in a real SGLang prefill worker.
 
 Install ``layersplit`` next to SGLang; SGLang runs the entry point :func:`register` (group
-``sglang.srt.plugins``) in every process. With ``LAYERSPLIT_SGLANG_PLUGIN=1`` it registers a class
-REPLACE hook on SGLang's ``LayerSplitDSATokenToKVPool``, which SGLang builds for DSA models on PD
-prefill workers under prefill-CP with ``--enable-dsa-cache-layer-split``. Without the variable it
-changes nothing. :func:`unregister` removes the hook and restores the upstream class.
+``sglang.srt.plugins``) in every process. Enabled by ``LAYERSPLIT_SGLANG_PLUGIN=1`` or the server
+flag ``--layersplit`` (which the plug-in adds to SGLang's parser; SGLang loads plug-ins before it
+parses its arguments), it registers through SGLang's ``HookRegistry``:
+
+* class REPLACE of ``LayerSplitDSATokenToKVPool`` (the pool SGLang builds for DSA models on PD prefill
+  workers under prefill-CP with ``--enable-dsa-cache-layer-split``) by :mod:`.pool`'s subclass;
+* a BEFORE hook on the DSA backend's ``init_forward_metadata`` that gives the pool the batch's pages
+  (:mod:`.batch`);
+* class REPLACE of ``LayerDoneCounter`` and ``L2TransferEngine`` by :mod:`.hicache`'s subclasses
+  (indexer keys loaded first, with their own ready event);
+* with ``LAYERSPLIT_SGLANG_SPEC_MONITOR=1``, an AFTER hook on the tokenizer manager's speculative
+  metrics (:mod:`.monitor`).
+
+Disabled, it changes nothing. :func:`unregister` removes every hook and restores the upstream code.
 """
 
 from __future__ import annotations
 
+import importlib
 import logging
 import sys
 
 log = logging.getLogger(__name__)
 
 _state: dict = {}
+FLAG = "--layersplit"
+
+
+def enabled(argv: list[str] | None = None) -> bool:
+    """On by ``LAYERSPLIT_SGLANG_PLUGIN=1`` or ``--layersplit`` on the command line; the flag also
+    sets the variable, so the worker processes SGLang starts inherit the choice."""
+    import os
+
+    from dsa_kernels import envs
+
+    if FLAG in (sys.argv if argv is None else argv):
+        os.environ["LAYERSPLIT_SGLANG_PLUGIN"] = "1"
+    return envs.sglang_plugin_enabled()
 
 
 def register() -> bool:
-    """Entry point (zero arguments). Returns whether a hook was registered."""
-    from dsa_kernels import envs
-
-    if not envs.sglang_plugin_enabled():
+    """Entry point (zero arguments). Returns whether hooks were registered."""
+    _add_server_flag()
+    if not enabled():
         return False
-    from layersplit.sglang_plugin import compat
+    from dsa_kernels import envs
+    from layersplit.sglang_plugin import batch, compat, hicache
     from layersplit.sglang_plugin.pool import make_pool_class
 
     registry, hook_type = compat.resolve("hook_registry"), compat.resolve("hook_type")
-    target = compat.resolve_path("layer_split_pool")
-    original = compat.resolve("layer_split_pool")
-    replacement = make_pool_class(original)
-    registry.register(target, replacement, hook_type.REPLACE)
-    _state.update(target=target, original=original, replacement=replacement)
-    log.info("layersplit: %s -> %s", target, replacement.__qualname__)
+    hooks = []  # (target, hook, type, original or None)
+
+    def replace_class(concept: str, make) -> None:
+        original = compat.resolve(concept)
+        hooks.append((compat.resolve_path(concept), make(original), hook_type.REPLACE, original))
+
+    replace_class("layer_split_pool", make_pool_class)
+    replace_class("layer_done_counter", hicache.make_counter_class)
+    replace_class("l2_transfer_engine", hicache.make_engine_class)
+    hooks.append((f"{compat.resolve_path('dsa_backend')}.{batch.TARGET_METHOD}", batch.before_init_forward_metadata,
+                  hook_type.BEFORE, None))
     if envs.sglang_spec_monitor_enabled():
         from layersplit.sglang_plugin.monitor import TARGET, MetaInfoMonitor
 
         monitor = MetaInfoMonitor()
-        registry.register(TARGET, monitor.after_spec_metrics, hook_type.AFTER)
-        _state.update(monitor=monitor, monitor_hook=monitor.after_spec_metrics)
+        hooks.append((TARGET, monitor.after_spec_metrics, hook_type.AFTER, None))
+        _state["monitor"] = monitor
+    for target, hook, kind, _ in hooks:
+        registry.register(target, hook, kind)
+        log.info("layersplit: %s hook on %s", kind.value, target)
+    _state["hooks"] = hooks
     return True
 
 
-def unregister() -> None:
-    """Remove our hook and put the upstream class back where the registry patched it."""
-    if not _state:
+def _add_server_flag() -> None:
+    """Add ``--layersplit`` to SGLang's server arguments (a no-op flag for SGLang: the plug-in reads
+    it from the command line, because SGLang runs plug-ins before it parses its arguments)."""
+    try:
+        server_args = importlib.import_module("sglang.srt.server_args")
+    except ImportError:
         return
-    import importlib
+    cls = getattr(server_args, "ServerArgs", None)
+    add = getattr(cls, "add_cli_args", None)
+    if add is None or getattr(add, "_layersplit", False):
+        return
+    original = add
 
+    def add_cli_args(parser):
+        original(parser)
+        if FLAG not in parser._option_string_actions:
+            parser.add_argument(FLAG, action="store_true", dest="layersplit_plugin",
+                                help="layersplit plug-in: row-only layer-split broadcasts with double-buffered "
+                                     "batch-sized staging, and indexer-first HiCache loads (same as "
+                                     "LAYERSPLIT_SGLANG_PLUGIN=1)")
+
+    add_cli_args._layersplit = True
+    add_cli_args.__wrapped__ = original
+    cls.add_cli_args = staticmethod(add_cli_args)
+    _state["server_args"] = (cls, original)
+
+
+def unregister() -> None:
+    """Remove our hooks and put the upstream classes and methods back where the registry patched them."""
     from layersplit.sglang_plugin import compat
 
+    if "server_args" in _state:
+        cls, original = _state.pop("server_args")
+        cls.add_cli_args = staticmethod(original)
+    if "hooks" not in _state:
+        _state.clear()
+        return
     registry = compat.resolve("hook_registry")
-    if "monitor_hook" in _state:
-        _unhook_method(registry, _state["monitor_hook"])
-    target, original, replacement = _state["target"], _state["original"], _state["replacement"]
-    hooks = [h for h in registry._hooks.get(target, []) if h[1] is not replacement]
-    if hooks:
-        registry._hooks[target] = hooks
-    else:
-        registry._hooks.pop(target, None)
-    registry._patched.discard(target)
-    module, _, attr = target.rpartition(".")
-    importlib.import_module(module)
-    for mod in list(sys.modules.values()):  # the registry also patched modules that imported the name
-        for name, value in list(getattr(mod, "__dict__", {}).items()):
-            if value is replacement:
-                setattr(mod, name, original)
+    for target, hook, _, original in _state["hooks"]:
+        kept = [h for h in registry._hooks.get(target, []) if h[1] is not hook and h[1] != hook]  # bound: ==
+        if kept:
+            registry._hooks[target] = kept
+        else:
+            registry._hooks.pop(target, None)
+        was_patched = target in registry._patched
+        registry._patched.discard(target)
+        if original is not None:  # class REPLACE: every module holding the replacement gets the original
+            for mod in list(sys.modules.values()):
+                for name, value in list(getattr(mod, "__dict__", {}).items()):
+                    if value is hook:
+                        setattr(mod, name, original)
+        elif was_patched:  # method hook: the registry wrapped it in place
+            module, cls_name, attr = target.rsplit(".", 2)
+            cls = getattr(importlib.import_module(module), cls_name)
+            wrapped = cls.__dict__[attr]
+            setattr(cls, attr, getattr(wrapped, "__wrapped__", wrapped))
     _state.clear()
-
-
-def _unhook_method(registry, hook) -> None:
-    """Drop our AFTER hook and put the method the registry wrapped back."""
-    import importlib
-
-    from layersplit.sglang_plugin.monitor import TARGET
-
-    registry._hooks[TARGET] = [h for h in registry._hooks.get(TARGET, []) if h[1] != hook]  # bound methods: ==, not is
-    if not registry._hooks[TARGET]:
-        registry._hooks.pop(TARGET)
-    if TARGET in registry._patched:
-        registry._patched.discard(TARGET)
-        module, cls_name, attr = TARGET.rsplit(".", 2)
-        cls = getattr(importlib.import_module(module), cls_name)
-        wrapped = cls.__dict__[attr]
-        setattr(cls, attr, getattr(wrapped, "__wrapped__", wrapped))
 
 
 def spec_monitor():

@@ -67,30 +67,47 @@ def reference_pool():
     return ref
 
 
-@pytest.mark.parametrize("ownership", ["contiguous", "round-robin"])
-def test_owned_layers_byte_identical_to_upstream_pool(ownership):
+def make_pool(rank: int, world: int = 2):
+    with parallel(world=world):
+        return make_pool_class()(SIZE, **pool_kwargs(), layer_shard_rank=rank, layer_shard_size=world)
+
+
+def test_owned_layers_byte_identical_to_upstream_pool():
     ref = reference_pool()
-    cls = make_pool_class()
+    shard_range = __import__("sglang.srt.layers.cp.utils", fromlist=["x"]).get_layer_shard_range
     for rank in range(2):
-        with parallel(world=2):
-            pool = cls(SIZE, **pool_kwargs(), layer_shard_rank=rank, layer_shard_size=2, ownership=ownership)
+        pool = make_pool(rank)
         write_all(pool)
         owned = [i for i in range(LAYERS) if pool._is_layer_owned(i)]
-        assert owned == ([i for i in range(LAYERS) if i % 2 == rank] if ownership == "round-robin"
-                         else [[0, 1, 2], [3, 4]][rank])
+        start, end = shard_range(rank, 2, LAYERS)
+        assert owned == list(range(start, end)) == [[0, 1, 2], [3, 4]][rank]  # upstream's contiguous split
         for i in owned:
             assert torch.equal(pool.kv_buffer[i].view(torch.uint8), ref.kv_buffer[i].view(torch.uint8))
             assert torch.equal(pool.get_index_k_with_scale_buffer(i), ref.get_index_k_with_scale_buffer(i))
         assert all(pool.kv_buffer[i].shape[0] == 0 for i in range(LAYERS) if i not in owned)
-        assert len(pool.remote_kv_buffers) == 2
+
+
+def test_staging_is_batch_sized_and_double_buffered(monkeypatch):
+    monkeypatch.setenv("LAYERSPLIT_SGLANG_SCRATCH_TOKENS", "100")
+    pool = make_pool(0)
+    assert [s.shape[0] for s in pool.kv_staging] == [128, 128]  # 100 tokens rounded up to whole pages
+    assert pool.remote_kv_buffer.shape[0] == SIZE + PAGE  # upstream's landing buffer, unchanged
+    pool.set_forward_pages(torch.tensor([7, 1, 3, 1]))
+    assert pool.forward_pages.tolist() == [1, 3, 7]
+    assert [s.shape[0] for s in pool.kv_staging] == [192, 192]  # a larger batch grows them
+    with pytest.raises(ValueError, match=r"set_forward_pages: expected page ids in \[0, 9\), got \[1, 9\]"):
+        pool.set_forward_pages(torch.tensor([1, 9]))
+    monkeypatch.setenv("LAYERSPLIT_SGLANG_SCRATCH_TOKENS", "lots")
+    with pytest.raises(ValueError, match="LAYERSPLIT_SGLANG_SCRATCH_TOKENS: expected a positive integer, got 'lots'"):
+        make_pool(0)
 
 
 def test_answers_what_sglang_calls():
-    with parallel(world=2):
-        pool = make_pool_class()(SIZE, **pool_kwargs(), layer_shard_rank=0, layer_shard_size=2)
-    for name in ("get_key_buffer", "get_value_buffer", "set_mla_kv_buffer", "get_index_k_with_scale_buffer",
-                 "get_broadcastable_index_k_with_scale_buffer", "set_index_k_scale_buffer", "prefetch_kv_buffer",
-                 "get_contiguous_buf_infos", "get_kv_size_bytes", "move_kv_cache", "get_cpu_copy", "load_cpu_copy"):
+    pool = make_pool(0)
+    for name in ("get_key_buffer", "get_value_buffer", "set_mla_kv_buffer", "set_kv_buffer",
+                 "get_index_k_with_scale_buffer", "get_broadcastable_index_k_with_scale_buffer",
+                 "set_index_k_scale_buffer", "prefetch_kv_buffer", "get_contiguous_buf_infos", "get_kv_size_bytes",
+                 "move_kv_cache", "get_cpu_copy", "load_cpu_copy", "set_forward_pages"):
         assert callable(getattr(pool, name)), name
 
 
@@ -100,15 +117,13 @@ def test_pd_transfer_union_equals_redundant():
     ref = reference_pool()
     reported = {}
     for rank in range(2):
-        with parallel(world=2):
-            pool = make_pool_class()(SIZE, **pool_kwargs(), layer_shard_rank=rank, layer_shard_size=2,
-                                     ownership="round-robin")
+        pool = make_pool(rank)
         write_all(pool)
         ptrs, lens, _ = pool.get_contiguous_buf_infos()
-        owned = [i for i in range(LAYERS) if pool._is_layer_owned(i)]
-        assert ptrs == [pool.kv_buffer[i].data_ptr() for i in owned]
-        for i, n in zip(owned, lens):
-            reported[i] = pool.kv_buffer[i].view(torch.uint8).flatten()[:n].clone()
+        for j, (ptr, n) in enumerate(zip(ptrs, lens)):
+            layer_id = pool.layer_shard_start + j  # how SGLang's PD prefill labels a rank's buffers
+            assert ptr == pool.kv_buffer[layer_id].data_ptr()
+            reported[layer_id] = pool.kv_buffer[layer_id].view(torch.uint8).flatten()[:n].clone()
     assert sorted(reported) == list(range(LAYERS))
     for i in range(LAYERS):
         assert torch.equal(reported[i], ref.kv_buffer[i].view(torch.uint8).flatten())
@@ -120,76 +135,171 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
-def _broadcast_worker(rank: int, port: int, ownership: str, queue) -> None:
+PREFIX_PAGES, NEW_PAGES = [1, 2, 5], [5, 6]  # the batch: a cached prefix, then new tokens (page 5 shared)
+
+
+def forward(pool, seed: int) -> list[tuple]:
+    """The model's order on one CP rank: per layer, store + read the new index keys, write + read the
+    new KV rows, prefetch the next layer. Returns what each layer read (index buffer, KV buffer)."""
+    g = torch.Generator().manual_seed(seed)
+    loc = torch.cat([torch.arange(5 * PAGE + 40, 6 * PAGE), torch.arange(6 * PAGE, 6 * PAGE + 10)])
+    reads = []
+    for i in range(LAYERS):
+        keys = torch.randint(0, 255, (loc.numel(), 128), dtype=torch.uint8, generator=g).view(torch.float8_e4m3fn)
+        pool.set_index_k_scale_buffer(i, loc, keys, torch.rand(loc.numel(), 1, generator=g))
+        index = pool.get_broadcastable_index_k_with_scale_buffer(i) if hasattr(
+            pool, "get_broadcastable_index_k_with_scale_buffer") else pool.get_index_k_with_scale_buffer(i)
+        pool.set_mla_kv_buffer(layer(i), loc, torch.randn(loc.numel(), 1, 512, generator=g).to(torch.bfloat16),
+                               torch.randn(loc.numel(), 1, 64, generator=g).to(torch.bfloat16))
+        kv = pool.get_key_buffer(i)
+        reads.append((index.clone(), kv.clone()))
+        if i + 1 < LAYERS and hasattr(pool, "prefetch_kv_buffer"):
+            pool.prefetch_kv_buffer(i + 1)  # issued under layer i, as the model does before its MLP
+    return reads
+
+
+def prefix(pool) -> None:
+    g = torch.Generator().manual_seed(1)
+    loc = torch.cat([torch.arange(p * PAGE, (p + 1) * PAGE) for p in PREFIX_PAGES])[:-24]
+    for i in range(LAYERS):
+        pool.set_mla_kv_buffer(layer(i), loc, torch.randn(loc.numel(), 1, 512, generator=g).to(torch.bfloat16),
+                               torch.randn(loc.numel(), 1, 64, generator=g).to(torch.bfloat16))
+        keys = torch.randint(0, 255, (loc.numel(), 128), dtype=torch.uint8, generator=g).view(torch.float8_e4m3fn)
+        pool.set_index_k_scale_buffer(i, loc, keys, torch.rand(loc.numel(), 1, generator=g))
+
+
+def _broadcast_worker(rank: int, port: int, mode: str, queue) -> None:
     import torch.distributed as dist
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     try:
         with parallel():
-            ref = reference_pool()
+            ref = compat.resolve("dsa_pool")(SIZE, **pool_kwargs())
+            prefix(ref)
+            want = forward(ref, seed=2)
         with parallel(world=2, group=dist.group.WORLD):
-            pool = make_pool_class()(SIZE, **pool_kwargs(), layer_shard_rank=rank, layer_shard_size=2,
-                                     ownership=ownership)
-            write_all(pool)
-            same = []
-            for i in range(LAYERS):  # the model's order: prefetch l + 1, then read l
-                if i + 1 < LAYERS:
-                    pool.prefetch_kv_buffer(i + 1)
-                got = pool.get_key_buffer(i)
-                same.append(bool(torch.equal(got.view(torch.uint8), ref.kv_buffer[i].view(torch.uint8))))
-                idx = pool.get_broadcastable_index_k_with_scale_buffer(i)
-                same.append(bool(torch.equal(idx[: ref.get_index_k_with_scale_buffer(i).shape[0]],
-                                             ref.get_index_k_with_scale_buffer(i))))
-        queue.put((rank, same, None))
+            pool = make_pool_class()(SIZE, **pool_kwargs(), layer_shard_rank=rank, layer_shard_size=2)
+            prefix(pool)
+            if mode == "pages":
+                pool.set_forward_pages(torch.tensor(PREFIX_PAGES + NEW_PAGES))
+            got = forward(pool, seed=2)
+        pages = torch.tensor(sorted(set(PREFIX_PAGES + NEW_PAGES)))
+        rows = (pages[:, None] * PAGE + torch.arange(PAGE)).flatten()
+        same = []
+        for (index, kv), (ref_index, ref_kv) in zip(got, want):
+            same.append(bool(torch.equal(index[pages], ref_index[pages])))
+            same.append(bool(torch.equal(kv[rows].view(torch.uint8), ref_kv[rows].view(torch.uint8))))
+        queue.put((rank, same, dict(pool.broadcast_bytes), None))
     except Exception:
         import traceback
 
-        queue.put((rank, None, traceback.format_exc()))
+        queue.put((rank, None, None, traceback.format_exc()))
     finally:
         dist.destroy_process_group()
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("ownership", ["contiguous", "round-robin"])
-def test_non_owned_layers_after_gloo_broadcast(ownership):
+@pytest.mark.parametrize("mode", ["pages", "whole"])
+def test_non_owned_layers_after_gloo_broadcast(mode):
+    """Two CP ranks (processes, gloo): every layer each rank reads, owned or broadcast, equals a
+    single-process upstream pool on the batch's pages; with the batch's pages only those are sent."""
     ctx = mp.get_context("spawn")
     queue, port = ctx.Queue(), _port()
-    procs = [ctx.Process(target=_broadcast_worker, args=(r, port, ownership, queue)) for r in range(2)]
+    procs = [ctx.Process(target=_broadcast_worker, args=(r, port, mode, queue)) for r in range(2)]
     for p in procs:
         p.start()
     results = [queue.get(timeout=240) for _ in procs]
     for p in procs:
         p.join(timeout=30)
-    for rank, same, err in results:
+    batch_pages = len(set(PREFIX_PAGES + NEW_PAGES))
+    for rank, same, sent, err in results:
         assert err is None, err
         assert all(same), f"rank {rank}: layers differ from the upstream pool: {same}"
+        if mode == "pages":  # every layer once, batch pages only: 4 pages x 64 rows x 576 bf16
+            assert sent["kv"] == LAYERS * batch_pages * PAGE * 576 * 2
+            assert sent["index"] == LAYERS * batch_pages * (PAGE * 132)
+        else:
+            assert sent == {"kv": 0, "index": 0}  # upstream's whole-buffer path (not counted)
 
 
 def test_upstream_contract_unchanged():
-    base = compat.resolve("layer_split_pool")
-    for name, expected in UPSTREAM_CONTRACT.items():
-        assert hasattr(base, name), f"upstream {base.__name__}.{name} disappeared"
-        assert str(inspect.signature(getattr(base, name))) == expected, f"upstream {name} changed signature"
+    from layersplit.sglang_plugin import batch, hicache, pool
+
+    for contract in (pool.UPSTREAM_CONTRACT, hicache.UPSTREAM_CONTRACT):
+        for concept, methods in contract.items():
+            base = compat.resolve(concept)
+            for name, expected in methods.items():
+                assert name in dir(base), f"upstream {base.__name__}.{name} disappeared"
+                got = str(inspect.signature(getattr(base, name)))
+                assert got == expected, f"upstream {base.__name__}.{name} changed signature: {got}"
+    backend = compat.resolve("dsa_backend")
+    assert str(inspect.signature(getattr(backend, batch.TARGET_METHOD))) == batch.TARGET_SIGNATURE
 
 
-def test_entry_point_registers_and_unregisters(monkeypatch):
+@pytest.mark.parametrize("how", ["env", "flag"])
+def test_entry_point_registers_and_unregisters(monkeypatch, how):
+    import argparse
     import importlib
+    import sys
 
-    module = importlib.import_module("sglang.srt.mem_cache.dsa_cache_layer_split")
     registry = compat.resolve("hook_registry")
-    original = module.LayerSplitDSATokenToKVPool
-    target = compat.resolve_path("layer_split_pool")
+    classes = {c: compat.resolve(c) for c in ("layer_split_pool", "layer_done_counter", "l2_transfer_engine")}
+    modules = {c: importlib.import_module(compat.resolve_path(c).rpartition(".")[0]) for c in classes}
+    controller = importlib.import_module("sglang.srt.managers.cache_controller")  # imports two of them by name
+    backend = compat.resolve("dsa_backend")
+    init_md = backend.__dict__["init_forward_metadata"]
+    server_args = importlib.import_module("sglang.srt.server_args").ServerArgs
+    add_cli_args = server_args.add_cli_args
     monkeypatch.delenv("LAYERSPLIT_SGLANG_PLUGIN", raising=False)
-    assert register() is False and target not in registry._hooks  # disabled: changes nothing
-    monkeypatch.setenv("LAYERSPLIT_SGLANG_PLUGIN", "1")
+    monkeypatch.setattr(sys, "argv", ["sglang.launch_server"])
+    assert register() is False and not any(compat.resolve_path(c) in registry._hooks for c in classes)
+    assert backend.__dict__["init_forward_metadata"] is init_md  # disabled: changes nothing
+    unregister()
+    if how == "env":
+        monkeypatch.setenv("LAYERSPLIT_SGLANG_PLUGIN", "1")
+    else:
+        monkeypatch.setattr(sys, "argv", ["sglang.launch_server", "--layersplit", "--model-path", "m"])
     try:
         assert register() is True
         registry.apply_hooks()
-        assert module.LayerSplitDSATokenToKVPool is not original
-        assert issubclass(module.LayerSplitDSATokenToKVPool, original)
+        for concept, original in classes.items():
+            now = getattr(modules[concept], original.__name__)
+            assert now is not original and issubclass(now, original), concept
+        assert controller.LayerDoneCounter is getattr(modules["layer_done_counter"], "LayerDoneCounter")
+        assert controller.L2TransferEngine is not classes["l2_transfer_engine"]
+        assert backend.__dict__["init_forward_metadata"] is not init_md
+        parser = argparse.ArgumentParser()
+        server_args.add_cli_args(parser)
+        assert "--layersplit" in parser._option_string_actions
     finally:
         unregister()
-    assert module.LayerSplitDSATokenToKVPool is original and target not in registry._hooks
+    for concept, original in classes.items():
+        assert getattr(modules[concept], original.__name__) is original
+        assert compat.resolve_path(concept) not in registry._hooks
+    assert controller.LayerDoneCounter is classes["layer_done_counter"]
+    assert controller.L2TransferEngine is classes["l2_transfer_engine"]
+    assert backend.__dict__["init_forward_metadata"] is init_md
+    assert server_args.add_cli_args is add_cli_args
+
+
+def test_forward_pages_hook_reads_the_batch_like_the_backend():
+    """The BEFORE hook on the DSA backend's init_forward_metadata hands the pool the pages of
+    tokens [0, seq_len) of each request in the batch (SGLang's own ReqToTokenPool)."""
+    from layersplit.sglang_plugin.batch import before_init_forward_metadata
+
+    req_to_token_pool = __import__("sglang.srt.mem_cache.memory_pool", fromlist=["x"]).ReqToTokenPool(
+        size=4, max_context_len=300, device="cpu", enable_memory_saver=False)
+    req_to_token_pool.req_to_token[2, :130] = torch.arange(3 * PAGE, 3 * PAGE + 130)  # pages 3, 4, 5
+    req_to_token_pool.req_to_token[2, 130:] = 8 * PAGE  # beyond seq_len: not part of the batch
+    req_to_token_pool.req_to_token[0, :5] = torch.tensor([1, 2, 3, 4, 7 * PAGE + 1])  # pages 0, 7
+    pool = make_pool(0)
+    backend = SimpleNamespace(token_to_kv_pool=pool, req_to_token_pool=req_to_token_pool)
+    batch = SimpleNamespace(req_pool_indices=torch.tensor([2, 0]), seq_lens=torch.tensor([130, 5]))
+    assert before_init_forward_metadata(backend, batch) is None
+    assert pool.forward_pages.tolist() == [0, 3, 4, 5, 7]
+    other = SimpleNamespace(token_to_kv_pool=compat.resolve("dsa_pool")(SIZE, **pool_kwargs()),
+                            req_to_token_pool=req_to_token_pool)
+    assert before_init_forward_metadata(other, batch) is None  # any other pool: left alone
 
 
 def test_entry_point_is_declared():
@@ -236,23 +346,28 @@ def test_monitor_hook_on_real_tokenizer_manager(monkeypatch):
 def _prefill_rank_worker(rank: int, world: int, pages: list[int], queue) -> None:
     """One prefill CP rank: build the pool, apply the writes, and read out exactly the buffers it
     registers for PD transfer (``get_contiguous_buf_infos`` / ``get_state_buf_infos``), page by page,
-    as the transfer engine would from (ptr + page * item_len)."""
+    as the transfer engine would from (ptr + page * item_len). Each buffer is labelled the way
+    SGLang's PD prefill labels it: layer ``prefill_start_layer + position`` in the reported list."""
     try:
         with parallel(world=world):
-            pool = (make_pool_class()(SIZE, **pool_kwargs(), layer_shard_rank=rank, layer_shard_size=world,
-                                      ownership="round-robin") if world > 1 else compat.resolve("dsa_pool")(SIZE, **pool_kwargs()))
+            pool = (make_pool_class()(SIZE, **pool_kwargs(), layer_shard_rank=rank, layer_shard_size=world)
+                    if world > 1 else compat.resolve("dsa_pool")(SIZE, **pool_kwargs()))
             write_all(pool)
-            by_ptr = {t.data_ptr(): ("kv", i, t) for i, t in enumerate(pool.kv_buffer) if t.numel()}
-            by_ptr.update({pool.get_index_k_with_scale_buffer(i).data_ptr(): ("index", i, pool.get_index_k_with_scale_buffer(i))
-                           for i in range(LAYERS) if pool.get_index_k_with_scale_buffer(i).numel()})
+            start = pool.layer_shard_start if world > 1 else pool.start_layer
             sends = []
-            for infos in (pool.get_contiguous_buf_infos(), pool.get_state_buf_infos()):
-                for ptr, length, item_len in zip(*infos):
-                    kind, layer_id, tensor = by_ptr[ptr]
+            for kind, infos in (("kv", pool.get_contiguous_buf_infos()), ("index", pool.get_state_buf_infos())):
+                by_layer = {}
+                for i in range(LAYERS):
+                    t = pool.kv_buffer[i] if kind == "kv" else pool.get_index_k_with_scale_buffer(i)
+                    if t.numel():
+                        by_layer[t.data_ptr()] = (i, t)
+                for position, (ptr, length, item_len) in enumerate(zip(*infos)):
+                    layer_id, tensor = by_layer[ptr]
+                    assert layer_id == start + position, f"{kind} buffer {position} is layer {layer_id}, labelled {start + position}"
                     flat = tensor.view(torch.uint8).flatten()[:length]
                     for p in pages:
                         # plain bytes: tensors sent through a queue as shared memory die with this process
-                        sends.append((kind, layer_id, p, flat[p * item_len:(p + 1) * item_len].numpy().tobytes()))
+                        sends.append((kind, start + position, p, flat[p * item_len:(p + 1) * item_len].numpy().tobytes()))
         queue.put((rank, sends, None))
     except Exception:
         import traceback
@@ -311,3 +426,61 @@ def test_pd_transfer_of_layer_split_prefill_equals_redundant():
         assert torch.equal(split.kv_buffer[i].view(torch.uint8), redundant.kv_buffer[i].view(torch.uint8))
         assert torch.equal(split.get_index_k_with_scale_buffer(i), redundant.get_index_k_with_scale_buffer(i))
     assert split.kv_buffer[0].view(torch.uint8).any()  # something was actually transferred
+
+
+def test_hicache_stress_indexer_reads_never_race_the_load():
+    """SGLang's own load path (real DSAIndexerPoolHost, our counter and engine subclasses) on the
+    emulated streams: the indexer reads each layer's keys as soon as they land, before the KV rows,
+    and never reads them early."""
+    from layersplit.sglang_plugin import stress
+
+    safe = stress.run(iterations=30, seed=3)
+    assert safe.index_reads == safe.kv_reads == 30 * 4
+    assert safe.stale_index_reads == 0 and safe.stale_kv_reads == 0
+    assert safe.early_index_reads > 0  # the indexer started before the layer's KV rows landed
+    upstream = stress.run(iterations=10, seed=3, upstream=True)
+    assert upstream.stale_index_reads == 0 and upstream.early_index_reads == 0  # one event per layer
+
+
+def test_hicache_stress_detects_a_missing_indexer_wait():
+    """The same stress with the indexer's wait switched off (documented unsafe flag) must catch reads
+    of keys that have not landed yet; otherwise the detector proves nothing."""
+    from layersplit.sglang_plugin import stress
+
+    unsafe = stress.run(iterations=30, seed=3, unsafe_skip=("index_wait",))
+    assert unsafe.stale_index_reads > 0
+    assert unsafe.stale_kv_reads == 0  # attention still waits the whole layer
+
+
+def test_engine_defers_to_upstream_without_indexer_transfers():
+    """No DSA indexer host pool in the transfer (or upstream's counter): upstream's loop runs as is."""
+    from layersplit.sglang_plugin import hicache
+
+    engine_cls = hicache.make_engine_class()
+    calls = []
+    base = compat.resolve("l2_transfer_engine")
+    original = base.submit_host_to_device
+    try:
+        base.submit_host_to_device = lambda self, transfers, **kw: calls.append(len(transfers)) or "upstream"
+        engine = engine_cls.__new__(engine_cls)
+        plain = SimpleNamespace(host_pool=object())
+        assert engine.submit_host_to_device([plain], transfer_layer_id_max=1, on_layer_done=print) == "upstream"
+        counter = compat.resolve("layer_done_counter")(2)  # upstream counter: no indexer-ready events
+        assert engine.submit_host_to_device([plain], transfer_layer_id_max=1,
+                                            on_layer_done=counter.events[0].complete) == "upstream"
+    finally:
+        base.submit_host_to_device = original
+    assert calls == [1, 1]
+
+
+def test_plugin_indexer_reads_wait_only_for_indexer_keys():
+    """The plug-in pool's indexer-key read waits the indexer-ready event of its layer, not the whole
+    layer; a latent-KV read waits the whole layer."""
+    waits = []
+    counter = SimpleNamespace(wait_until=lambda i: waits.append(("layer", i)),
+                              wait_index_until=lambda i: waits.append(("index", i)))
+    pool = make_pool(0)
+    pool.register_layer_transfer_counter(counter)
+    pool.index_key_cache.remote_layer_id = 1  # already broadcast: no collective needed here
+    pool.get_broadcastable_index_k_with_scale_buffer(1)
+    assert waits == [("index", 1)]
