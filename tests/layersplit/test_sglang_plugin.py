@@ -270,7 +270,11 @@ def test_entry_point_registers_and_unregisters(monkeypatch, how):
         assert backend.__dict__["init_forward_metadata"] is not init_md
         parser = argparse.ArgumentParser()
         server_args.add_cli_args(parser)
-        assert "--layersplit" in parser._option_string_actions
+        # the README's prefill-worker command line parses with SGLang's own parser
+        ns = parser.parse_args(["--model-path", "m", "--disaggregation-mode", "prefill", "--enable-prefill-cp",
+                                "--attn-cp-size", "8", "--enable-dsa-cache-layer-split",
+                                "--enable-hierarchical-cache", "--layersplit"])
+        assert ns.layersplit_plugin and ns.enable_dsa_cache_layer_split and ns.attn_cp_size == 8
     finally:
         unregister()
     for concept, original in classes.items():
