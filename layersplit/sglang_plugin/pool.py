@@ -74,7 +74,7 @@ def make_index_cache_class(base: type | None = None) -> type:
                 if not owned:
                     self.remote_buffer.index_copy_(0, pages, staging)
                 self.remote_layer_id = layer_id
-            return self._kernel_view(self.buffer[local]) if owned else self.remote_buffer
+            return self.buffer[local] if owned else self.remote_buffer  # upstream's raw layout for both
 
     return LayerSplitPlusIndexKeyCache
 
@@ -160,8 +160,11 @@ def make_pool_class(base: type | None = None, index_cache_base: type | None = No
             (every rank calls this). CUDA: on the pool's broadcast stream after the current stream's
             work, an event per slot guards the result. CPU (gloo): complete when it returns."""
             counter = counter or self.layer_transfer_counter
-            if counter is not None:  # hazard: the owner's rows of this layer may still be loading
-                counter.wait_until(layer_id - self.start_layer if counter_idx is None else counter_idx)
+
+            def wait_loaded():  # hazard: the owner's rows of this layer may still be loading from host
+                if counter is not None:
+                    counter.wait_until(layer_id - self.start_layer if counter_idx is None else counter_idx)
+
             slot = layer_id % 2
             self._ready(slot)  # the slot's previous broadcast must be complete before it is reused
             rows = self._forward_rows
@@ -178,11 +181,13 @@ def make_pool_class(base: type | None = None, index_cache_base: type | None = No
                 dm = self.device_module
                 self.kv_broadcast_stream.wait_stream(dm.current_stream())
                 with dm.stream(self.kv_broadcast_stream):
+                    wait_loaded()  # the broadcast stream waits for the load, the forward stream does not
                     send()
                     event = dm.Event()
                     event.record(self.kv_broadcast_stream)
                 self._events[slot] = event
             else:
+                wait_loaded()
                 send()
             self.broadcast_bytes["kv"] += staging.nbytes
             self._slot_layer[slot] = layer_id
