@@ -93,6 +93,7 @@ def make_pool_class(base: type | None = None, index_cache_base: type | None = No
             self._landing_layer: int | None = None  # layer whose batch rows the landing buffer holds
             self.broadcast_bytes = {"kv": 0, "index": 0}  # bytes this rank entered into broadcasts
             self._staging_rows = envs.sglang_scratch_tokens()
+            self._unsafe_skip = envs.sglang_unsafe_skip()
             super().__init__(*args, layer_shard_rank=layer_shard_rank, layer_shard_size=layer_shard_size, **kwargs)
 
         # buffers -------------------------------------------------------------------------------
@@ -177,12 +178,12 @@ def make_pool_class(base: type | None = None, index_cache_base: type | None = No
                 self._broadcast_tensor_from_owner(staging, layer_id, src_tensor=staging if owned else None,
                                                   use_layer_broadcast_comm=True)
 
-            if str(self.device).startswith("cuda"):
+            if self._async_device():
                 dm = self.device_module
                 self.kv_broadcast_stream.wait_stream(dm.current_stream())
                 with dm.stream(self.kv_broadcast_stream):
                     wait_loaded()  # the broadcast stream waits for the load, the forward stream does not
-                    send()
+                    self._run(send, "broadcast")
                     event = dm.Event()
                     event.record(self.kv_broadcast_stream)
                 self._events[slot] = event
@@ -192,8 +193,20 @@ def make_pool_class(base: type | None = None, index_cache_base: type | None = No
             self.broadcast_bytes["kv"] += staging.nbytes
             self._slot_layer[slot] = layer_id
 
+        def _async_device(self) -> bool:
+            """CUDA, or the emulated device module of the CPU race test: broadcasts run on a side stream."""
+            return str(self.device).startswith("cuda") or hasattr(self.device_module, "launch")
+
+        def _run(self, fn, name: str = "op") -> None:
+            """Run ``fn`` on the current stream: queued there by the emulated device module, else now
+            (on CUDA the kernels it launches are queued on the current stream)."""
+            launch = getattr(self.device_module, "launch", None)
+            launch(fn, name) if launch else fn()
+
         def _ready(self, slot: int) -> None:
             event = self._events.pop(slot, None)
+            if "slot_wait" in self._unsafe_skip:  # UNSAFE: stress tests only
+                return
             if event is not None:  # hazard: read (or overwrite) the slot only after its broadcast completed
                 self.device_module.current_stream().wait_event(event)
 
@@ -204,8 +217,8 @@ def make_pool_class(base: type | None = None, index_cache_base: type | None = No
                 self._fetch(layer_id)
             self._ready(slot)
             if not self._is_layer_owned(layer_id):
-                rows = self._forward_rows
-                self.remote_kv_buffer.index_copy_(0, rows, self.kv_staging[slot][: rows.numel()])
+                rows, staged = self._forward_rows, self.kv_staging[slot][: self._forward_rows.numel()]
+                self._run(lambda: self.remote_kv_buffer.index_copy_(0, rows, staged), "scatter")
             self._slot_layer[slot] = None
             self._landing_layer = layer_id
 
@@ -230,9 +243,12 @@ def make_pool_class(base: type | None = None, index_cache_base: type | None = No
             if self._slot_layer[layer_id % 2] == layer_id:
                 self._land(layer_id)  # also waits for an in-flight send of the owner's buffer
             if self._is_layer_owned(layer_id):
-                write(self.kv_buffer[layer_id - self.start_layer])
+                buf = self.kv_buffer[layer_id - self.start_layer]
             elif self._landing_layer == layer_id:
-                write(self.remote_kv_buffer)
+                buf = self.remote_kv_buffer
+            else:
+                return
+            self._run(lambda: write(buf), "write")
 
         def set_mla_kv_buffer(self, layer, loc_info, cache_k_nope, cache_k_rope):
             if self.forward_pages is None:

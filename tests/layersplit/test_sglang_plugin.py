@@ -138,9 +138,10 @@ def _port() -> int:
 PREFIX_PAGES, NEW_PAGES = [1, 2, 5], [5, 6]  # the batch: a cached prefix, then new tokens (page 5 shared)
 
 
-def forward(pool, seed: int) -> list[tuple]:
+def forward(pool, seed: int, launch=None) -> list[tuple]:
     """The model's order on one CP rank: per layer, store + read the new index keys, write + read the
-    new KV rows, prefetch the next layer. Returns what each layer read (index buffer, KV buffer)."""
+    new KV rows, prefetch the next layer. Returns what each layer read (index buffer, KV buffer);
+    with ``launch`` the KV read is queued on the current stream, like the attention kernel."""
     g = torch.Generator().manual_seed(seed)
     loc = torch.cat([torch.arange(5 * PAGE + 40, 6 * PAGE), torch.arange(6 * PAGE, 6 * PAGE + 10)])
     reads = []
@@ -152,7 +153,11 @@ def forward(pool, seed: int) -> list[tuple]:
         pool.set_mla_kv_buffer(layer(i), loc, torch.randn(loc.numel(), 1, 512, generator=g).to(torch.bfloat16),
                                torch.randn(loc.numel(), 1, 64, generator=g).to(torch.bfloat16))
         kv = pool.get_key_buffer(i)
-        reads.append((index.clone(), kv.clone()))
+        reads.append([index.clone(), None])
+        if launch is None:
+            reads[-1][1] = kv.clone()
+        else:
+            launch(lambda kv=kv, i=i: reads[i].__setitem__(1, kv.clone()), "attention")
         if i + 1 < LAYERS and hasattr(pool, "prefetch_kv_buffer"):
             pool.prefetch_kv_buffer(i + 1)  # issued under layer i, as the model does before its MLP
     return reads
@@ -488,3 +493,90 @@ def test_plugin_indexer_reads_wait_only_for_indexer_keys():
     pool.index_key_cache.remote_layer_id = 1  # already broadcast: no collective needed here
     pool.get_broadcastable_index_k_with_scale_buffer(1)
     assert waits == [("index", 1)]
+
+
+class _GlooComm:
+    """The shape of the dedicated NCCL communicator upstream broadcasts KV on, over a gloo group."""
+
+    def __init__(self, group) -> None:
+        self.group = group
+
+    def change_state(self, enable: bool = True):
+        import contextlib
+
+        return contextlib.nullcontext()
+
+    def broadcast(self, tensor, src: int) -> None:
+        import torch.distributed as dist
+
+        dist.broadcast(tensor, src, group=self.group)
+
+
+def _race_worker(rank: int, port: int, unsafe: str, iterations: int, queue) -> None:
+    import random
+
+    import torch.distributed as dist
+
+    from hicache.device_module import EmulatedDeviceModule
+
+    os.environ["LAYERSPLIT_SGLANG_UNSAFE_SKIP"] = unsafe
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    kv_group = dist.new_group([0, 1], backend="gloo")  # KV broadcasts run on their own stream and comm
+    dm = EmulatedDeviceModule()
+    rng = random.Random(rank)
+    dm.runtime.delay_hook = lambda stream, op: rng.uniform(0, 0.003) if op == "broadcast" else 0.0
+    try:
+        with parallel():
+            ref = compat.resolve("dsa_pool")(SIZE, **pool_kwargs())
+            prefix(ref)
+        with parallel(world=2, group=dist.group.WORLD):
+            pool = make_pool_class()(SIZE, **pool_kwargs(), layer_shard_rank=rank, layer_shard_size=2)
+            prefix(pool)
+            pool.device_module, pool.kv_broadcast_stream = dm, dm.Stream()
+            pool.layer_broadcast_comm = _GlooComm(kv_group)
+        pages = torch.tensor(sorted(set(PREFIX_PAGES + NEW_PAGES)))
+        rows = (pages[:, None] * PAGE + torch.arange(PAGE)).flatten()
+        stale = checked = 0
+        for it in range(iterations):
+            with parallel():
+                want = forward(ref, seed=10 + it)
+            with parallel(world=2, group=dist.group.WORLD):
+                pool.set_forward_pages(pages)
+                got = forward(pool, seed=10 + it, launch=dm.launch)
+                dm.synchronize()
+            for (_, kv), (_, ref_kv) in zip(got, want):
+                checked += 1
+                stale += not torch.equal(kv[rows].view(torch.uint8), ref_kv[rows].view(torch.uint8))
+        queue.put((rank, (checked, stale), None))
+    except Exception:
+        import traceback
+
+        queue.put((rank, None, traceback.format_exc()))
+    finally:
+        dm.close()
+        dist.destroy_process_group()
+
+
+def _race(unsafe: str, iterations: int):
+    ctx = mp.get_context("spawn")
+    queue, port = ctx.Queue(), _port()
+    procs = [ctx.Process(target=_race_worker, args=(r, port, unsafe, iterations, queue)) for r in range(2)]
+    for p in procs:
+        p.start()
+    results = [queue.get(timeout=240) for _ in procs]
+    for p in procs:
+        p.join(timeout=30)
+    for _, counts, err in results:
+        assert err is None, err
+    return [counts for _, counts, _ in sorted(results)]
+
+
+@pytest.mark.timeout(300)
+def test_staging_slot_events_under_real_asynchrony():
+    """The pool's side-stream KV broadcasts (gloo, on an emulated stream with random stalls) and its
+    slot events: every layer read equals the single-process upstream pool, and with the slot wait
+    switched off (documented unsafe flag) the same run reads rows that have not arrived."""
+    safe = _race("", iterations=6)
+    assert all(checked == 6 * LAYERS and stale == 0 for checked, stale in safe), safe
+    unsafe = _race("slot_wait", iterations=6)
+    assert sum(stale for _, stale in unsafe) > 0, unsafe
