@@ -115,6 +115,7 @@ def run(iterations: int = 40, layers: int = 4, seed: int = 0, unsafe_skip=(), ma
     start = time.perf_counter()
     import os
 
+    previous_skip = os.environ.get("LAYERSPLIT_SGLANG_UNSAFE_SKIP")
     os.environ["LAYERSPLIT_SGLANG_UNSAFE_SKIP"] = ",".join(sorted(unsafe_skip))
     try:
         with _emulated_sglang(dm), compat.resolve("get_parallel")().override(attn_dcp_size=1, attn_dcp_rank=0):
@@ -184,7 +185,10 @@ def run(iterations: int = 40, layers: int = 4, seed: int = 0, unsafe_skip=(), ma
                 forward.synchronize()
                 engine.host_to_device_stream.synchronize()
     finally:
-        os.environ.pop("LAYERSPLIT_SGLANG_UNSAFE_SKIP", None)
+        if previous_skip is None:
+            os.environ.pop("LAYERSPLIT_SGLANG_UNSAFE_SKIP", None)
+        else:
+            os.environ["LAYERSPLIT_SGLANG_UNSAFE_SKIP"] = previous_skip
         dm.close()
     result.seconds = time.perf_counter() - start
     return result

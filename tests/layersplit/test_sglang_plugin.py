@@ -20,7 +20,7 @@ else:
     pytest.importorskip("sglang")
 
 from layersplit.sglang_plugin import compat, register, unregister  # noqa: E402
-from layersplit.sglang_plugin.pool import UPSTREAM_CONTRACT, make_pool_class  # noqa: E402
+from layersplit.sglang_plugin.pool import make_pool_class  # noqa: E402
 
 LAYERS, SIZE, PAGE = 5, 512, 64
 
