@@ -10,7 +10,8 @@ parses its arguments), it registers through SGLang's ``HookRegistry``:
 * a BEFORE hook on the DSA backend's ``init_forward_metadata`` that gives the pool the batch's pages
   (:mod:`.batch`);
 * class REPLACE of ``LayerDoneCounter`` and ``L2TransferEngine`` by :mod:`.hicache`'s subclasses
-  (indexer keys loaded first, with their own ready event);
+  (indexer keys loaded first, with their own ready event), and an AROUND hook on
+  ``IndexKeyCache.get_local_buffer`` so the indexer waits only for its keys;
 * with ``LAYERSPLIT_SGLANG_SPEC_MONITOR=1``, an AFTER hook on the tokenizer manager's speculative
   metrics (:mod:`.monitor`).
 
@@ -62,6 +63,8 @@ def register() -> bool:
     replace_class("l2_transfer_engine", hicache.make_engine_class)
     hooks.append((f"{compat.resolve_path('dsa_backend')}.{batch.TARGET_METHOD}", batch.before_init_forward_metadata,
                   hook_type.BEFORE, None))
+    hooks.append((f"{compat.resolve_path('index_key_cache')}.{hicache.INDEX_READ_TARGET}",
+                  hicache.around_get_local_buffer, hook_type.AROUND, None))
     if envs.sglang_spec_monitor_enabled():
         from layersplit.sglang_plugin.monitor import TARGET, MetaInfoMonitor
 

@@ -14,8 +14,13 @@ This adapter, installed as class REPLACE hooks:
   first and records the indexer-ready event, then the KV rows and the layer event. Without an
   indexer transfer or a split counter it runs upstream's loop unchanged.
 
-Readers: the plug-in pool's indexer-key cache waits ``wait_index_until`` (see
-:mod:`layersplit.sglang_plugin.pool`); latent-KV reads and broadcasts keep upstream's ``wait_until``.
+* :func:`around_get_local_buffer`, an AROUND hook on ``IndexKeyCache.get_local_buffer``: the
+  indexer's own path to its keys (it stores new keys through it, and reads through it on plain DSA
+  pools) waits ``wait_index_until`` instead of the whole layer.
+
+Readers: the indexer (above, and the plug-in pool's broadcast path in
+:mod:`layersplit.sglang_plugin.pool`) waits ``wait_index_until``; latent-KV reads and broadcasts keep
+upstream's ``wait_until``.
 ``LAYERSPLIT_SGLANG_UNSAFE_SKIP=index_wait`` drops the indexer's wait: for the stress test only.
 """
 
@@ -64,6 +69,21 @@ def make_counter_class(base: type | None = None, loading_base: type | None = Non
             self.events[self.consumer_index].wait_index(threshold)
 
     return SplitLayerDoneCounter
+
+
+def around_get_local_buffer(original, cache, layer_id: int):
+    """HookRegistry AROUND hook on ``IndexKeyCache.get_local_buffer``, the indexer's path to its keys
+    (``get_index_k_with_scale_buffer``, used to store and, on plain DSA pools, to read them): wait for
+    the layer's indexer keys only, where the counter has that event; else upstream as is."""
+    pool = cache.pool
+    counter = pool.layer_transfer_counter
+    if getattr(counter, "wait_index_until", None) is None:
+        return original(cache, layer_id)
+    counter.wait_index_until(layer_id - pool.start_layer)
+    return cache._kernel_view(cache.buffer[layer_id - pool.start_layer])
+
+
+INDEX_READ_TARGET = "get_local_buffer"
 
 
 def is_indexer_transfer(transfer, indexer_host: type | None = None) -> bool:
@@ -132,6 +152,10 @@ UPSTREAM_CONTRACT = {
         "__init__": "(self, num_layers: 'int')",
         "complete": "(self, layer_index: 'int')",
         "wait": "(self, layer_index: 'int')",
+    },
+    "index_key_cache": {
+        "get_local_buffer": "(self, layer_id: 'int') -> 'torch.Tensor'",
+        "_kernel_view": "(self, buffer: 'torch.Tensor') -> 'torch.Tensor'",
     },
     "dsa_indexer_host_pool": {
         "load_to_device_per_layer_physical": "(self, device_pool, host_indices, device_indices, layer_id, "

@@ -9,8 +9,9 @@ worker thread per stream), so the load stream really runs beside the forward str
    the latent rows);
 2. our ``IndexFirstL2TransferEngine.submit_host_to_device`` queues the per-layer loads (indexer keys,
    indexer-ready event, KV rows, layer event) on the load stream, with random stalls;
-3. the forward stream, layer by layer, waits ``wait_index_until(l)`` and reads the indexer pages, then
-   waits ``wait_until(l)`` and reads the KV rows, as the model's indexer and attention would.
+3. the forward stream, layer by layer, gets the indexer keys through ``IndexKeyCache.get_local_buffer``
+   with the plug-in's AROUND hook (``wait_index_until(l)``) and reads them, then waits
+   ``wait_until(l)`` and reads the KV rows, as the model's indexer and attention would.
 
 A read that sees poison or another iteration's data is a read-before-ready. With the waits: none.
 With ``unsafe_skip={"index_wait"}`` the indexer's read races the load and the detector fires.
@@ -102,7 +103,7 @@ def run(iterations: int = 40, layers: int = 4, seed: int = 0, unsafe_skip=(), ma
         pages_per_iteration: int = 3, upstream: bool = False) -> StressResult:
     """``upstream=True`` runs SGLang's own counter and engine (one event per layer) for comparison."""
     from hicache.device_module import EmulatedDeviceModule
-    from layersplit.sglang_plugin import compat, hicache, pool as plugin_pool
+    from layersplit.sglang_plugin import compat, hicache
     from sglang.srt.mem_cache.pool_host.dsa import DSAIndexerPoolHost, make_dsa_indexer_pool_decl
 
     page, size = 64, 64 * 16
@@ -133,6 +134,8 @@ def run(iterations: int = 40, layers: int = 4, seed: int = 0, unsafe_skip=(), ma
             else:
                 counter = hicache.make_counter_class()(layers)
                 engine = hicache.make_engine_class()("direct")
+            device.register_layer_transfer_counter(counter)  # as SGLang's pool assembler does
+            get_local_buffer = compat.resolve("index_key_cache").get_local_buffer
             L2Transfer = __import__("sglang.srt.mem_cache.l2_transfer", fromlist=["L2Transfer"]).L2Transfer
             forward = dm.current_stream()
             for it in range(iterations):
@@ -162,10 +165,13 @@ def run(iterations: int = 40, layers: int = 4, seed: int = 0, unsafe_skip=(), ma
                 submit(transfers, transfer_layer_id_max=layers, start_event=ev.start_event,
                                              on_layer_done=ev.complete)
                 for l in range(layers):
-                    plugin_pool._wait_index(counter, l)  # what the plug-in pool's indexer read does
+                    # the indexer's path to its keys: IndexKeyCache.get_local_buffer, with our hook
+                    cache = device.index_key_cache
+                    keys = (get_local_buffer(cache, l) if upstream
+                            else hicache.around_get_local_buffer(get_local_buffer, cache, l))
 
-                    def read_index(l=l):
-                        ok = torch.equal(device.index_k_with_scale_buffer[l][dev_pages], want_index[l])
+                    def read_index(l=l, keys=keys):
+                        ok = torch.equal(keys[dev_pages], want_index[l])
                         early = host_kv.landed[l] == 0.0
                         with lock:
                             result.index_reads += 1

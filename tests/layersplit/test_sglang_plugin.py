@@ -253,6 +253,8 @@ def test_entry_point_registers_and_unregisters(monkeypatch, how):
     controller = importlib.import_module("sglang.srt.managers.cache_controller")  # imports two of them by name
     backend = compat.resolve("dsa_backend")
     init_md = backend.__dict__["init_forward_metadata"]
+    index_cache = compat.resolve("index_key_cache")
+    local_read = index_cache.__dict__["get_local_buffer"]
     server_args = importlib.import_module("sglang.srt.server_args").ServerArgs
     add_cli_args = server_args.add_cli_args
     monkeypatch.delenv("LAYERSPLIT_SGLANG_PLUGIN", raising=False)
@@ -273,6 +275,7 @@ def test_entry_point_registers_and_unregisters(monkeypatch, how):
         assert controller.LayerDoneCounter is getattr(modules["layer_done_counter"], "LayerDoneCounter")
         assert controller.L2TransferEngine is not classes["l2_transfer_engine"]
         assert backend.__dict__["init_forward_metadata"] is not init_md
+        assert index_cache.__dict__["get_local_buffer"] is not local_read
         parser = argparse.ArgumentParser()
         server_args.add_cli_args(parser)
         # the README's prefill-worker command line parses with SGLang's own parser
@@ -288,6 +291,7 @@ def test_entry_point_registers_and_unregisters(monkeypatch, how):
     assert controller.LayerDoneCounter is classes["layer_done_counter"]
     assert controller.L2TransferEngine is classes["l2_transfer_engine"]
     assert backend.__dict__["init_forward_metadata"] is init_md
+    assert index_cache.__dict__["get_local_buffer"] is local_read
     assert server_args.add_cli_args is add_cli_args
 
 
@@ -493,6 +497,27 @@ def test_plugin_indexer_reads_wait_only_for_indexer_keys():
     pool.index_key_cache.remote_layer_id = 1  # already broadcast: no collective needed here
     pool.get_broadcastable_index_k_with_scale_buffer(1)
     assert waits == [("index", 1)]
+
+
+def test_indexer_key_path_waits_only_for_indexer_keys():
+    """The AROUND hook on IndexKeyCache.get_local_buffer (how the indexer stores and, on plain DSA
+    pools, reads its keys) waits the indexer-ready event and returns upstream's own buffer; with
+    upstream's counter it is upstream's method unchanged."""
+    from layersplit.sglang_plugin.hicache import around_get_local_buffer
+
+    plain = compat.resolve("dsa_pool")(SIZE, **pool_kwargs())
+    original = compat.resolve("index_key_cache").get_local_buffer
+    waits = []
+    plain.register_layer_transfer_counter(SimpleNamespace(wait_until=lambda i: waits.append(("layer", i)),
+                                                          wait_index_until=lambda i: waits.append(("index", i))))
+    got = around_get_local_buffer(original, plain.index_key_cache, 3)
+    assert waits == [("index", 3)]
+    want = original(plain.index_key_cache, 3)
+    assert got.data_ptr() == want.data_ptr() and got.shape == want.shape
+    waits.clear()
+    plain.register_layer_transfer_counter(SimpleNamespace(wait_until=lambda i: waits.append(("layer", i))))
+    around_get_local_buffer(original, plain.index_key_cache, 2)
+    assert waits == [("layer", 2)]
 
 
 class _GlooComm:
