@@ -2,8 +2,8 @@
 
 A BEFORE hook on the DSA attention backend's ``init_forward_metadata(forward_batch)`` (run once per
 forward, on every CP rank, before any layer) reads the batch's token locations the way the backend
-itself does (``req_to_token[req_pool_indices, :seq_len]``) and hands their page ids to
-``set_forward_pages`` of the backend's ``token_to_kv_pool``, if the pool has it (the plug-in's layer-split pool); other pools
+itself does (``req_to_token[req_pool_indices, :seq_len]``) and hands their page ids, and those of the
+new tokens (``out_cache_loc``), to ``set_forward_pages`` of the backend's ``token_to_kv_pool``, if the pool has it (the plug-in's layer-split pool); other pools
 are left alone.
 """
 
@@ -30,7 +30,9 @@ def before_init_forward_metadata(backend, forward_batch, *args, **kwargs):
         return None
     pages = batch_pages(backend.req_to_token_pool.req_to_token, forward_batch.req_pool_indices, forward_batch.seq_lens,
                         pool.page_size)
-    pool.set_forward_pages(pages)
+    out = getattr(forward_batch, "out_cache_loc", None)  # where the new tokens are written
+    new_pages = None if out is None else torch.unique(out.long() // pool.page_size)
+    pool.set_forward_pages(pages, new_pages)
     return None
 
 

@@ -95,8 +95,12 @@ def test_staging_is_batch_sized_and_double_buffered(monkeypatch):
     pool.set_forward_pages(torch.tensor([7, 1, 3, 1]))
     assert pool.forward_pages.tolist() == [1, 3, 7]
     assert [s.shape[0] for s in pool.kv_staging] == [192, 192]  # a larger batch grows them
-    with pytest.raises(ValueError, match=r"set_forward_pages: expected page ids in \[0, 9\), got \[1, 9\]"):
+    with pytest.raises(ValueError, match=r"set_forward_pages: pages: expected page ids in \[0, 9\), got \[1, 9\]"):
         pool.set_forward_pages(torch.tensor([1, 9]))
+    with pytest.raises(ValueError, match=r"expected new_pages to be a subset of pages, got \[4\] outside it"):
+        pool.set_forward_pages(torch.tensor([1, 3]), new_pages=torch.tensor([3, 4]))
+    pool.set_forward_pages(torch.tensor([1, 3, 7]), new_pages=torch.tensor([7]))
+    assert pool._prefix_pages.tolist() == [1, 3] and pool._new_pages.tolist() == [7]
     monkeypatch.setenv("LAYERSPLIT_SGLANG_SCRATCH_TOKENS", "lots")
     with pytest.raises(ValueError, match="LAYERSPLIT_SGLANG_SCRATCH_TOKENS: expected a positive integer, got 'lots'"):
         make_pool(0)
@@ -150,10 +154,14 @@ def forward(pool, seed: int, launch=None) -> list[tuple]:
         pool.set_index_k_scale_buffer(i, loc, keys, torch.rand(loc.numel(), 1, generator=g))
         index = pool.get_broadcastable_index_k_with_scale_buffer(i) if hasattr(
             pool, "get_broadcastable_index_k_with_scale_buffer") else pool.get_index_k_with_scale_buffer(i)
+        reads.append([None, None])
+        if launch is None:
+            reads[-1][0] = index.clone()
+        else:  # queued like the indexer kernel
+            launch(lambda index=index, i=i: reads[i].__setitem__(0, index.clone()), "indexer")
         pool.set_mla_kv_buffer(layer(i), loc, torch.randn(loc.numel(), 1, 512, generator=g).to(torch.bfloat16),
                                torch.randn(loc.numel(), 1, 64, generator=g).to(torch.bfloat16))
         kv = pool.get_key_buffer(i)
-        reads.append([index.clone(), None])
         if launch is None:
             reads[-1][1] = kv.clone()
         else:
@@ -186,7 +194,7 @@ def _broadcast_worker(rank: int, port: int, mode: str, queue) -> None:
             pool = make_pool_class()(SIZE, **pool_kwargs(), layer_shard_rank=rank, layer_shard_size=2)
             prefix(pool)
             if mode == "pages":
-                pool.set_forward_pages(torch.tensor(PREFIX_PAGES + NEW_PAGES))
+                pool.set_forward_pages(torch.tensor(PREFIX_PAGES + NEW_PAGES), new_pages=torch.tensor(NEW_PAGES))
             got = forward(pool, seed=2)
         pages = torch.tensor(sorted(set(PREFIX_PAGES + NEW_PAGES)))
         rows = (pages[:, None] * PAGE + torch.arange(PAGE)).flatten()
@@ -222,9 +230,11 @@ def test_non_owned_layers_after_gloo_broadcast(mode):
         assert all(same), f"rank {rank}: layers differ from the upstream pool: {same}"
         if mode == "pages":  # every layer once, batch pages only: 4 pages x 64 rows x 576 bf16
             assert sent["kv"] == LAYERS * batch_pages * PAGE * 576 * 2
-            assert sent["index"] == LAYERS * batch_pages * (PAGE * 132)
+            # indexer keys (64 x 132 B a page): prefix-only pages 1, 2 staged ahead; 5, 6 at read time
+            assert sent["index_prefix"] == LAYERS * 2 * (PAGE * 132)
+            assert sent["index_new"] == LAYERS * 2 * (PAGE * 132)
         else:
-            assert sent == {"kv": 0, "index": 0}  # upstream's whole-buffer path (not counted)
+            assert sent == {"kv": 0, "index_prefix": 0, "index_new": 0}  # upstream's whole-buffer path
 
 
 def test_upstream_contract_unchanged():
@@ -310,6 +320,10 @@ def test_forward_pages_hook_reads_the_batch_like_the_backend():
     batch = SimpleNamespace(req_pool_indices=torch.tensor([2, 0]), seq_lens=torch.tensor([130, 5]))
     assert before_init_forward_metadata(backend, batch) is None
     assert pool.forward_pages.tolist() == [0, 3, 4, 5, 7]
+    assert pool._new_pages.tolist() == [0, 3, 4, 5, 7]  # no out_cache_loc: every page counts as new
+    batch.out_cache_loc = torch.cat([req_to_token_pool.req_to_token[2, 120:130], torch.tensor([7 * PAGE + 1])])
+    before_init_forward_metadata(backend, batch)
+    assert pool._new_pages.tolist() == [4, 5, 7] and pool._prefix_pages.tolist() == [0, 3]
     other = SimpleNamespace(token_to_kv_pool=compat.resolve("dsa_pool")(SIZE, **pool_kwargs()),
                             req_to_token_pool=req_to_token_pool)
     assert before_init_forward_metadata(other, batch) is None  # any other pool: left alone
@@ -566,12 +580,13 @@ def _race_worker(rank: int, port: int, unsafe: str, iterations: int, queue) -> N
             with parallel():
                 want = forward(ref, seed=10 + it)
             with parallel(world=2, group=dist.group.WORLD):
-                pool.set_forward_pages(pages)
+                pool.set_forward_pages(pages, new_pages=torch.tensor(NEW_PAGES))
                 got = forward(pool, seed=10 + it, launch=dm.launch)
                 dm.synchronize()
-            for (_, kv), (_, ref_kv) in zip(got, want):
+            for (index, kv), (ref_index, ref_kv) in zip(got, want):
                 checked += 1
-                stale += not torch.equal(kv[rows].view(torch.uint8), ref_kv[rows].view(torch.uint8))
+                stale += not (torch.equal(kv[rows].view(torch.uint8), ref_kv[rows].view(torch.uint8))
+                              and torch.equal(index[pages], ref_index[pages]))
         queue.put((rank, (checked, stale), None))
     except Exception:
         import traceback
