@@ -140,6 +140,8 @@ def make_pool_class(base: type | None = None, index_cache_base: type | None = No
             super()._create_buffers()
             cap = -(-min(self._staging_rows, self.size + self.page_size) // self.page_size) * self.page_size
             self._kv.reserve(cap, self.remote_kv_buffer)
+            log.info("layersplit: KV staging 2 x %d rows = %.3f GB, on top of SGLang's KV-pool plan "
+                     "(indexer-key staging follows with the first batch)", cap, self._kv.nbytes() / 1e9)
 
         @property
         def kv_staging(self) -> list[torch.Tensor]:

@@ -106,6 +106,26 @@ def test_staging_is_batch_sized_and_double_buffered(monkeypatch):
         make_pool(0)
 
 
+def test_constructed_with_the_keywords_sglang_passes():
+    """SGLang builds the layer-split pool in ``KVCacheConfigurator._build_dsa_kv_pool`` as
+    ``PoolCls(max_total_num_tokens, <keywords>, **pool_kwargs)``; the keywords read from that source
+    are exactly the ones these tests construct with (plus the layer-shard pair it adds), so a change
+    upstream fails here."""
+    import ast
+    import textwrap
+
+    configurator = __import__("sglang.srt.mem_cache.kv_cache_configurator", fromlist=["x"]).KVCacheConfigurator
+    tree = ast.parse(textwrap.dedent(inspect.getsource(configurator._build_dsa_kv_pool)))
+    calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call) and getattr(n.func, "id", None) == "PoolCls"]
+    assert len(calls) == 1 and len(calls[0].args) == 1
+    passed = {k.arg for k in calls[0].keywords if k.arg is not None}
+    extra = {t.slice.value for t in ast.walk(tree) if isinstance(t, ast.Subscript)
+             and getattr(t.value, "id", None) == "pool_kwargs" and isinstance(t.slice, ast.Constant)}
+    assert {"layer_shard_rank", "layer_shard_size"} <= extra
+    assert passed == set(pool_kwargs()), passed ^ set(pool_kwargs())
+    make_pool(1)  # and our class accepts them
+
+
 def test_answers_what_sglang_calls():
     pool = make_pool(0)
     for name in ("get_key_buffer", "get_value_buffer", "set_mla_kv_buffer", "set_kv_buffer",
