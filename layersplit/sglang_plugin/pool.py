@@ -205,7 +205,12 @@ def make_pool_class(base: type | None = None, index_cache_base: type | None = No
 
         # staged broadcasts (KV rows; prefix index pages) ---------------------------------------
         def _async_device(self) -> bool:
-            """CUDA, or the emulated device module of the CPU race test: broadcasts run on a side stream."""
+            """Staged broadcasts run on the broadcast stream only with a communicator of their own
+            (upstream's ``layer_broadcast_comm``): the read-time index broadcast uses the CP group's,
+            and one communicator driven from two streams could order its collectives differently on
+            different ranks. CUDA, or the emulated device module of the CPU race test."""
+            if self.layer_broadcast_comm is None:
+                return False
             return str(self.device).startswith("cuda") or hasattr(self.device_module, "launch")
 
         def _run(self, fn, name: str = "op") -> None:
