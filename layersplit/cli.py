@@ -1,5 +1,6 @@
 """``layersplit`` command line. Subcommands: ``plan`` (KV capacity per CP rank), ``prefill`` (CP engine),
-``sweep`` (the 40k-120k throughput sweep), ``stress hicache|pd``, ``monitor replay|eval``,
+``sweep`` (the 40k-120k throughput sweep), ``stress hicache|pd|sglang-hicache|sglang-pool``,
+``monitor replay|eval``,
 ``gpu-check`` (the prepared GPU check)."""
 
 from __future__ import annotations

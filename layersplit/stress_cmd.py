@@ -1,4 +1,5 @@
-"""``layersplit stress hicache``: the read-before-ready stress harness from the command line."""
+"""``layersplit stress hicache|pd|sglang-hicache|sglang-pool``: the race stress harnesses from the
+command line (long mode; the test suite runs short versions)."""
 
 from __future__ import annotations
 
@@ -29,6 +30,21 @@ def add_parser(sub: argparse._SubParsersAction, int_at_least) -> None:
                    help="UNSAFE: free an aborted request's pages at once (the old race)")
     d.add_argument("--json", action="store_true")
     d.set_defaults(func=run_pd)
+    sh = which.add_parser("sglang-hicache", help="the plug-in's indexer-first HiCache load inside SGLang's own "
+                                                  "load path (needs sglang installed)")
+    sh.add_argument("--iterations", type=int_at_least(1), default=2000, help="batches of 4 layer loads (default 2000)")
+    sh.add_argument("--seed", type=int, default=0)
+    sh.add_argument("--upstream", action="store_true", help="SGLang's own counter and engine, for comparison")
+    sh.add_argument("--unsafe-skip-wait", action="store_true",
+                    help="UNSAFE: the indexer reads its keys without waiting (shows the detector firing)")
+    sh.set_defaults(func=run_sglang_hicache)
+    sp = which.add_parser("sglang-pool", help="the plug-in pool's staged broadcasts, two gloo rank processes "
+                                              "(needs sglang installed)")
+    sp.add_argument("--iterations", type=int_at_least(1), default=200, help="batches of 5 layers (default 200)")
+    sp.add_argument("--seed", type=int, default=0)
+    sp.add_argument("--unsafe-skip-wait", action="store_true",
+                    help="UNSAFE: use a staging slot without waiting for its broadcast (shows the detector firing)")
+    sp.set_defaults(func=run_sglang_pool)
 
 
 def run_pd(args: argparse.Namespace) -> int:
@@ -75,3 +91,39 @@ def run_hicache(args: argparse.Namespace) -> int:
         print("warning: no corruption detected with a safeguard removed; run more --loads")
         return 3
     return 0
+
+
+def _sglang_stress():
+    import importlib.util
+
+    if importlib.util.find_spec("sglang") is None:
+        raise SystemExit("stress sglang-*: expected sglang to be installed (pip install 'layersplit[sglang]'), "
+                         "got none")
+    from layersplit.sglang_plugin import stress
+
+    return stress
+
+
+def _verdict(unsafe: bool, stale: int, what: str) -> int:
+    if not unsafe and stale:
+        return 1  # the safe path read data that had not arrived: a real bug
+    if unsafe and not stale:
+        print(f"warning: no stale {what} read detected with the wait removed; run more --iterations")
+        return 3
+    return 0
+
+
+def run_sglang_hicache(args: argparse.Namespace) -> int:
+    stress = _sglang_stress()
+    result = stress.run(args.iterations, seed=args.seed, upstream=args.upstream,
+                        unsafe_skip=("index_wait",) if args.unsafe_skip_wait else ())
+    print(json.dumps(asdict(result)))
+    return _verdict(args.unsafe_skip_wait, result.stale_index_reads + result.stale_kv_reads, "indexer-key")
+
+
+def run_sglang_pool(args: argparse.Namespace) -> int:
+    stress = _sglang_stress()
+    result = stress.run_pool(args.iterations, seed=args.seed,
+                             unsafe_skip=("slot_wait",) if args.unsafe_skip_wait else ())
+    print(json.dumps(asdict(result)))
+    return _verdict(args.unsafe_skip_wait, result.stale_reads, "layer")

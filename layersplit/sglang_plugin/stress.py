@@ -1,8 +1,11 @@
-"""Stress test of the HiCache adapter inside SGLang's own load path, on CPU with real asynchrony.
+"""Stress tests of the plug-in inside SGLang's own code, on CPU with real asynchrony.
 
-SGLang's ``L2TransferEngine`` / ``LayerDoneCounter`` code records and waits on events of its module's
-``device_module``; here that module is :class:`hicache.device_module.EmulatedDeviceModule` (one
-worker thread per stream), so the load stream really runs beside the forward stream. Each iteration:
+SGLang's stream code records and waits on events of a module-level ``device_module``; here it is
+:class:`hicache.device_module.EmulatedDeviceModule` (one worker thread per stream), so the load or
+broadcast stream really runs beside the forward stream. Two harnesses, each with a documented unsafe
+switch that must make its detector fire:
+
+**hicache** (:func:`run`): SGLang's ``L2TransferEngine`` / ``LayerDoneCounter`` with our subclasses.
 
 1. the device pool's indexer pages and KV rows of the batch are poisoned; the host pools hold fresh,
    iteration-specific data (the real ``DSAIndexerPoolHost`` for the indexer keys, a host KV pool for
@@ -13,30 +16,95 @@ worker thread per stream), so the load stream really runs beside the forward str
    with the plug-in's AROUND hook (``wait_index_until(l)``) and reads them, then waits
    ``wait_until(l)`` and reads the KV rows, as the model's indexer and attention would.
 
-A read that sees poison or another iteration's data is a read-before-ready. With the waits: none.
-With ``unsafe_skip={"index_wait"}`` the indexer's read races the load and the detector fires.
-``early_index_reads`` counts indexer reads that ran before the same layer's KV rows had landed: the
-overlap the split events buy (upstream's single event makes it 0).
+A read that sees poison or another iteration's data is a read-before-ready. ``early_index_reads``
+counts indexer reads that ran before the same layer's KV rows had landed: the overlap the split events
+buy (upstream's single event makes it 0). Unsafe: ``index_wait``. sgl-kernel's ``transfer_kv_direct``
+(a CUDA op) is replaced by its torch equivalent while this runs.
 
-sgl-kernel's ``transfer_kv_direct`` (a CUDA op) is replaced by its torch equivalent while this runs.
+**pool** (:func:`run_pool`): two CP rank processes (gloo) run the plug-in pool in the model's order
+for several batches; the staged KV and prefix indexer-key broadcasts run on an emulated broadcast
+stream over a dedicated gloo group (upstream uses a dedicated NCCL communicator), with random stalls;
+every layer each rank reads is compared with a single-process upstream ``DSATokenToKVPool`` given the
+same writes. Unsafe: ``slot_wait`` (a staging slot is used without waiting for its broadcast).
 
-Long mode: ``python -m layersplit.sglang_plugin.stress --iterations 2000``.
+Command line: ``layersplit stress sglang-hicache`` and ``layersplit stress sglang-pool``.
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
-import json
 import random
 import threading
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from types import SimpleNamespace
 
 import torch
 
 POISON = 0xA5
+# a small GLM-5-geometry pool: 5 layers, 512 tokens of 64-token pages (latent 512 + rope 64 in bf16,
+# indexer keys 128 fp8 + 1 fp32 scale per token)
+LAYERS, SIZE, PAGE = 5, 512, 64
+PREFIX_PAGES, NEW_PAGES = [1, 2, 5], [5, 6]  # the batch: a cached prefix, then new tokens (page 5 shared)
+
+
+def dsa_pool_kwargs(layers: int = LAYERS, page: int = PAGE) -> dict:
+    """The keyword arguments SGLang's ``_build_dsa_kv_pool`` passes (GLM-5 cache geometry, CPU)."""
+    return dict(page_size=page, dtype=torch.bfloat16, kv_lora_rank=512, qk_rope_head_dim=64, layer_num=layers,
+                device="cpu", kv_cache_dim=576, enable_memory_saver=False, start_layer=0, end_layer=layers,
+                index_head_dim=128, index_kpool=1, index_kpool_compress=False, tail_extra_slots=0,
+                max_running_requests=8)
+
+
+def published(world: int = 1, group=None):
+    """What SGLang's launcher would have published: no decode-CP, a CP group of ``world`` ranks."""
+    from layersplit.sglang_plugin import compat
+
+    cp = SimpleNamespace(world_size=world, pynccl_comm=None, cpu_group=group, rank_in_group=0, device=None)
+    return compat.resolve("get_parallel")().override(attn_dcp_size=1, attn_dcp_rank=0, attn_cp_group=cp)
+
+
+def _layer(i: int):
+    return SimpleNamespace(layer_id=i)
+
+
+def write_prefix(pool, layers: int = LAYERS, seed: int = 1) -> None:
+    """The cached prefix: KV rows and indexer keys of ``PREFIX_PAGES`` (the last page partly), every layer."""
+    g = torch.Generator().manual_seed(seed)
+    loc = torch.cat([torch.arange(p * PAGE, (p + 1) * PAGE) for p in PREFIX_PAGES])[:-24]
+    for i in range(layers):
+        pool.set_mla_kv_buffer(_layer(i), loc, torch.randn(loc.numel(), 1, 512, generator=g).to(torch.bfloat16),
+                               torch.randn(loc.numel(), 1, 64, generator=g).to(torch.bfloat16))
+        keys = torch.randint(0, 255, (loc.numel(), 128), dtype=torch.uint8, generator=g).view(torch.float8_e4m3fn)
+        pool.set_index_k_scale_buffer(i, loc, keys, torch.rand(loc.numel(), 1, generator=g))
+
+
+def forward_layers(pool, seed: int, launch=None, layers: int = LAYERS) -> list[list]:
+    """The model's order on one CP rank: per layer, store + read the new indexer keys, write + read the
+    new KV rows, prefetch the next layer. Returns what each layer read ([index buffer, KV buffer]);
+    with ``launch`` the reads are queued on the current stream, like the indexer and attention kernels."""
+    g = torch.Generator().manual_seed(seed)
+    loc = torch.cat([torch.arange(5 * PAGE + 40, 6 * PAGE), torch.arange(6 * PAGE, 6 * PAGE + 10)])  # pages 5, 6
+    reads: list[list] = []
+
+    def take(i: int, j: int, buf: torch.Tensor, name: str) -> None:
+        if launch is None:
+            reads[i][j] = buf.clone()
+        else:
+            launch(lambda: reads[i].__setitem__(j, buf.clone()), name)
+
+    for i in range(layers):
+        reads.append([None, None])
+        keys = torch.randint(0, 255, (loc.numel(), 128), dtype=torch.uint8, generator=g).view(torch.float8_e4m3fn)
+        pool.set_index_k_scale_buffer(i, loc, keys, torch.rand(loc.numel(), 1, generator=g))
+        read_index = getattr(pool, "get_broadcastable_index_k_with_scale_buffer", pool.get_index_k_with_scale_buffer)
+        take(i, 0, read_index(i), "indexer")
+        pool.set_mla_kv_buffer(_layer(i), loc, torch.randn(loc.numel(), 1, 512, generator=g).to(torch.bfloat16),
+                               torch.randn(loc.numel(), 1, 64, generator=g).to(torch.bfloat16))
+        take(i, 1, pool.get_key_buffer(i), "attention")
+        if i + 1 < layers and hasattr(pool, "prefetch_kv_buffer"):
+            pool.prefetch_kv_buffer(i + 1)  # issued under layer i, as the model does before its MLP
+    return reads
 
 
 @dataclass
@@ -120,11 +188,7 @@ def run(iterations: int = 40, layers: int = 4, seed: int = 0, unsafe_skip=(), ma
     os.environ["LAYERSPLIT_SGLANG_UNSAFE_SKIP"] = ",".join(sorted(unsafe_skip))
     try:
         with _emulated_sglang(dm), compat.resolve("get_parallel")().override(attn_dcp_size=1, attn_dcp_rank=0):
-            device = compat.resolve("dsa_pool")(
-                size, page_size=page, dtype=torch.bfloat16, kv_lora_rank=512, qk_rope_head_dim=64, layer_num=layers,
-                device="cpu", kv_cache_dim=576, enable_memory_saver=False, start_layer=0, end_layer=layers,
-                index_head_dim=128, index_kpool=1, index_kpool_compress=False, tail_extra_slots=0,
-                max_running_requests=8)
+            device = compat.resolve("dsa_pool")(size, **dsa_pool_kwargs(layers, page))
             anchor = SimpleNamespace(page_size=page, layout="layer_first", size=size, page_num=size // page)
             host_index = DSAIndexerPoolHost(make_dsa_indexer_pool_decl(device), anchor, pin_memory=False)
             host_kv = HostKV(layers, size, 576, torch.bfloat16)
@@ -226,19 +290,110 @@ def _queued(engine, dm):
     return submit
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m layersplit.sglang_plugin.stress", description=__doc__.split("\n")[0])
-    parser.add_argument("--iterations", type=int, default=2000)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--upstream", action="store_true", help="SGLang's own counter and engine, for comparison")
-    parser.add_argument("--unsafe-skip", default="", help="index_wait: UNSAFE, shows the detector firing")
-    args = parser.parse_args(argv)
-    skip = tuple(s for s in args.unsafe_skip.split(",") if s)
-    result = run(args.iterations, args.layers, args.seed, skip, upstream=args.upstream)
-    print(json.dumps(asdict(result)))
-    return 0 if (result.stale_index_reads + result.stale_kv_reads == 0) == (not skip) else 1
+@dataclass
+class PoolStressResult:
+    iterations: int
+    layers: int
+    unsafe_skip: list[str]
+    layer_reads: int  # (index keys + KV rows) of one layer on one rank
+    stale_reads: int
+    stale_by_rank: list[int]
+    seconds: float
 
 
-if __name__ == "__main__":
-    raise SystemExit(main())
+class _GlooComm:
+    """The shape of upstream's dedicated NCCL broadcast communicator, over a gloo group."""
+
+    def __init__(self, group) -> None:
+        self.group = group
+
+    def change_state(self, enable: bool = True):
+        return contextlib.nullcontext()
+
+    def broadcast(self, tensor, src: int) -> None:
+        import torch.distributed as dist
+
+        dist.broadcast(tensor, src, group=self.group)
+
+
+def _pool_worker(rank: int, port: int, unsafe: str, iterations: int, seed: int, max_stall_s: float, queue) -> None:
+    import os
+
+    if not torch.cuda.is_available():  # upstream stores indexer keys with a Triton kernel: interpret it on CPU
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    import torch.distributed as dist
+
+    from hicache.device_module import EmulatedDeviceModule
+    from layersplit.sglang_plugin import compat
+    from layersplit.sglang_plugin.pool import make_pool_class
+
+    os.environ["LAYERSPLIT_SGLANG_UNSAFE_SKIP"] = unsafe
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    kv_group = dist.new_group([0, 1], backend="gloo")  # staged broadcasts: their own stream and communicator
+    dm = EmulatedDeviceModule()
+    rng = random.Random(seed * 2 + rank)
+    dm.runtime.delay_hook = lambda stream, op: rng.uniform(0, max_stall_s) if op == "broadcast" else 0.0
+    try:
+        with published():
+            ref = compat.resolve("dsa_pool")(SIZE, **dsa_pool_kwargs())
+            write_prefix(ref)
+        with published(world=2, group=dist.group.WORLD):
+            pool = make_pool_class()(SIZE, **dsa_pool_kwargs(), layer_shard_rank=rank, layer_shard_size=2)
+            write_prefix(pool)
+            pool.device_module, pool.kv_broadcast_stream = dm, dm.Stream()
+            pool.layer_broadcast_comm = _GlooComm(kv_group)
+        pages = torch.tensor(sorted(set(PREFIX_PAGES + NEW_PAGES)))
+        rows = (pages[:, None] * PAGE + torch.arange(PAGE)).flatten()
+        stale = checked = 0
+        for it in range(iterations):
+            with published():
+                want = forward_layers(ref, seed=seed * 100_003 + it)
+            with published(world=2, group=dist.group.WORLD):
+                pool.set_forward_pages(pages, new_pages=torch.tensor(NEW_PAGES))
+                got = forward_layers(pool, seed=seed * 100_003 + it, launch=dm.launch)
+                dm.synchronize()
+            for (index, kv), (ref_index, ref_kv) in zip(got, want):
+                checked += 1
+                stale += not (torch.equal(kv[rows].view(torch.uint8), ref_kv[rows].view(torch.uint8))
+                              and torch.equal(index[pages], ref_index[pages]))
+        queue.put((rank, (checked, stale), None))
+    except Exception:
+        import traceback
+
+        queue.put((rank, None, traceback.format_exc()))
+    finally:
+        dm.close()
+        dist.destroy_process_group()
+
+
+def run_pool(iterations: int = 6, unsafe_skip=(), seed: int = 0, max_stall_s: float = 0.003,
+             timeout_s: float = 600.0) -> PoolStressResult:
+    """Two rank processes over gloo; see the module docstring."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    unsafe = ",".join(sorted(unsafe_skip))
+    start = time.perf_counter()
+    procs = [ctx.Process(target=_pool_worker, args=(r, port, unsafe, iterations, seed, max_stall_s, queue))
+             for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        results = sorted(queue.get(timeout=timeout_s) for _ in procs)
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    errors = [err for _, _, err in results if err]
+    if errors:
+        raise RuntimeError("pool stress: a rank failed:\n" + errors[0])
+    counts = [c for _, c, _ in results]
+    return PoolStressResult(iterations, LAYERS, sorted(unsafe_skip), sum(c for c, _ in counts),
+                            sum(s for _, s in counts), [s for _, s in counts], time.perf_counter() - start)

@@ -22,21 +22,14 @@ else:
 from layersplit.sglang_plugin import compat, register, unregister  # noqa: E402
 from layersplit.sglang_plugin.pool import make_pool_class  # noqa: E402
 
-LAYERS, SIZE, PAGE = 5, 512, 64
+from layersplit.sglang_plugin.stress import (  # noqa: E402
+    LAYERS, NEW_PAGES, PAGE, PREFIX_PAGES, SIZE, dsa_pool_kwargs, forward_layers, published, write_prefix)
+
+forward, prefix, parallel = forward_layers, write_prefix, published
 
 
 def pool_kwargs() -> dict:
-    """The keyword arguments SGLang's ``_build_dsa_kv_pool`` passes (GLM-5 cache geometry)."""
-    return dict(page_size=PAGE, dtype=torch.bfloat16, kv_lora_rank=512, qk_rope_head_dim=64, layer_num=LAYERS,
-                device="cpu", kv_cache_dim=576, enable_memory_saver=False, start_layer=0, end_layer=LAYERS,
-                index_head_dim=128, index_kpool=1, index_kpool_compress=False, tail_extra_slots=0,
-                max_running_requests=8)
-
-
-def parallel(world: int = 1, group=None):
-    """What SGLang's launcher would have published: no decode-CP, a CP group of ``world`` ranks."""
-    cp = SimpleNamespace(world_size=world, pynccl_comm=None, cpu_group=group, rank_in_group=0, device=None)
-    return compat.resolve("get_parallel")().override(attn_dcp_size=1, attn_dcp_rank=0, attn_cp_group=cp)
+    return dsa_pool_kwargs()
 
 
 @pytest.fixture(autouse=True)
@@ -157,48 +150,6 @@ def _port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-PREFIX_PAGES, NEW_PAGES = [1, 2, 5], [5, 6]  # the batch: a cached prefix, then new tokens (page 5 shared)
-
-
-def forward(pool, seed: int, launch=None) -> list[tuple]:
-    """The model's order on one CP rank: per layer, store + read the new index keys, write + read the
-    new KV rows, prefetch the next layer. Returns what each layer read (index buffer, KV buffer);
-    with ``launch`` the KV read is queued on the current stream, like the attention kernel."""
-    g = torch.Generator().manual_seed(seed)
-    loc = torch.cat([torch.arange(5 * PAGE + 40, 6 * PAGE), torch.arange(6 * PAGE, 6 * PAGE + 10)])
-    reads = []
-    for i in range(LAYERS):
-        keys = torch.randint(0, 255, (loc.numel(), 128), dtype=torch.uint8, generator=g).view(torch.float8_e4m3fn)
-        pool.set_index_k_scale_buffer(i, loc, keys, torch.rand(loc.numel(), 1, generator=g))
-        index = pool.get_broadcastable_index_k_with_scale_buffer(i) if hasattr(
-            pool, "get_broadcastable_index_k_with_scale_buffer") else pool.get_index_k_with_scale_buffer(i)
-        reads.append([None, None])
-        if launch is None:
-            reads[-1][0] = index.clone()
-        else:  # queued like the indexer kernel
-            launch(lambda index=index, i=i: reads[i].__setitem__(0, index.clone()), "indexer")
-        pool.set_mla_kv_buffer(layer(i), loc, torch.randn(loc.numel(), 1, 512, generator=g).to(torch.bfloat16),
-                               torch.randn(loc.numel(), 1, 64, generator=g).to(torch.bfloat16))
-        kv = pool.get_key_buffer(i)
-        if launch is None:
-            reads[-1][1] = kv.clone()
-        else:
-            launch(lambda kv=kv, i=i: reads[i].__setitem__(1, kv.clone()), "attention")
-        if i + 1 < LAYERS and hasattr(pool, "prefetch_kv_buffer"):
-            pool.prefetch_kv_buffer(i + 1)  # issued under layer i, as the model does before its MLP
-    return reads
-
-
-def prefix(pool) -> None:
-    g = torch.Generator().manual_seed(1)
-    loc = torch.cat([torch.arange(p * PAGE, (p + 1) * PAGE) for p in PREFIX_PAGES])[:-24]
-    for i in range(LAYERS):
-        pool.set_mla_kv_buffer(layer(i), loc, torch.randn(loc.numel(), 1, 512, generator=g).to(torch.bfloat16),
-                               torch.randn(loc.numel(), 1, 64, generator=g).to(torch.bfloat16))
-        keys = torch.randint(0, 255, (loc.numel(), 128), dtype=torch.uint8, generator=g).view(torch.float8_e4m3fn)
-        pool.set_index_k_scale_buffer(i, loc, keys, torch.rand(loc.numel(), 1, generator=g))
 
 
 def _broadcast_worker(rank: int, port: int, mode: str, queue) -> None:
@@ -554,89 +505,34 @@ def test_indexer_key_path_waits_only_for_indexer_keys():
     assert waits == [("layer", 2)]
 
 
-class _GlooComm:
-    """The shape of the dedicated NCCL communicator upstream broadcasts KV on, over a gloo group."""
-
-    def __init__(self, group) -> None:
-        self.group = group
-
-    def change_state(self, enable: bool = True):
-        import contextlib
-
-        return contextlib.nullcontext()
-
-    def broadcast(self, tensor, src: int) -> None:
-        import torch.distributed as dist
-
-        dist.broadcast(tensor, src, group=self.group)
-
-
-def _race_worker(rank: int, port: int, unsafe: str, iterations: int, queue) -> None:
-    import random
-
-    import torch.distributed as dist
-
-    from hicache.device_module import EmulatedDeviceModule
-
-    os.environ["LAYERSPLIT_SGLANG_UNSAFE_SKIP"] = unsafe
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    kv_group = dist.new_group([0, 1], backend="gloo")  # KV broadcasts run on their own stream and comm
-    dm = EmulatedDeviceModule()
-    rng = random.Random(rank)
-    dm.runtime.delay_hook = lambda stream, op: rng.uniform(0, 0.003) if op == "broadcast" else 0.0
-    try:
-        with parallel():
-            ref = compat.resolve("dsa_pool")(SIZE, **pool_kwargs())
-            prefix(ref)
-        with parallel(world=2, group=dist.group.WORLD):
-            pool = make_pool_class()(SIZE, **pool_kwargs(), layer_shard_rank=rank, layer_shard_size=2)
-            prefix(pool)
-            pool.device_module, pool.kv_broadcast_stream = dm, dm.Stream()
-            pool.layer_broadcast_comm = _GlooComm(kv_group)
-        pages = torch.tensor(sorted(set(PREFIX_PAGES + NEW_PAGES)))
-        rows = (pages[:, None] * PAGE + torch.arange(PAGE)).flatten()
-        stale = checked = 0
-        for it in range(iterations):
-            with parallel():
-                want = forward(ref, seed=10 + it)
-            with parallel(world=2, group=dist.group.WORLD):
-                pool.set_forward_pages(pages, new_pages=torch.tensor(NEW_PAGES))
-                got = forward(pool, seed=10 + it, launch=dm.launch)
-                dm.synchronize()
-            for (index, kv), (ref_index, ref_kv) in zip(got, want):
-                checked += 1
-                stale += not (torch.equal(kv[rows].view(torch.uint8), ref_kv[rows].view(torch.uint8))
-                              and torch.equal(index[pages], ref_index[pages]))
-        queue.put((rank, (checked, stale), None))
-    except Exception:
-        import traceback
-
-        queue.put((rank, None, traceback.format_exc()))
-    finally:
-        dm.close()
-        dist.destroy_process_group()
-
-
-def _race(unsafe: str, iterations: int):
-    ctx = mp.get_context("spawn")
-    queue, port = ctx.Queue(), _port()
-    procs = [ctx.Process(target=_race_worker, args=(r, port, unsafe, iterations, queue)) for r in range(2)]
-    for p in procs:
-        p.start()
-    results = [queue.get(timeout=240) for _ in procs]
-    for p in procs:
-        p.join(timeout=30)
-    for _, counts, err in results:
-        assert err is None, err
-    return [counts for _, counts, _ in sorted(results)]
-
-
 @pytest.mark.timeout(300)
 def test_staging_slot_events_under_real_asynchrony():
     """The pool's side-stream KV broadcasts (gloo, on an emulated stream with random stalls) and its
     slot events: every layer read equals the single-process upstream pool, and with the slot wait
     switched off (documented unsafe flag) the same run reads rows that have not arrived."""
-    safe = _race("", iterations=6)
-    assert all(checked == 6 * LAYERS and stale == 0 for checked, stale in safe), safe
-    unsafe = _race("slot_wait", iterations=6)
-    assert sum(stale for _, stale in unsafe) > 0, unsafe
+    from layersplit.sglang_plugin.stress import run_pool
+
+    safe = run_pool(iterations=6)
+    assert safe.layer_reads == 2 * 6 * LAYERS and safe.stale_reads == 0, safe
+    unsafe = run_pool(iterations=6, unsafe_skip=("slot_wait",))
+    assert unsafe.stale_reads > 0, unsafe
+
+
+def test_stress_command_line(capsys, monkeypatch):
+    """``layersplit stress sglang-hicache``: JSON report, exit 0 when safe and when the unsafe run is
+    caught; a clear error without sglang."""
+    import importlib.util
+    import json
+
+    from layersplit.cli import main
+
+    assert main(["stress", "sglang-hicache", "--iterations", "10"]) == 0
+    safe = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert safe["stale_index_reads"] == 0 and safe["index_reads"] == 40
+    assert main(["stress", "sglang-hicache", "--iterations", "10", "--unsafe-skip-wait"]) == 0
+    unsafe = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert unsafe["stale_index_reads"] > 0 and unsafe["unsafe_skip"] == ["index_wait"]
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "sglang" else real(name, *a))
+    with pytest.raises(SystemExit, match="expected sglang to be installed"):
+        main(["stress", "sglang-pool", "--iterations", "1"])
