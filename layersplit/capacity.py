@@ -8,7 +8,10 @@ sharded evenly over the N GPUs of the CP group, as with TP/EP = N on the same GP
 * layersplit: a token costs only the rank's owned layers; the rank also reserves two scratch slots
   (double buffer), each holding one non-owned layer's rows for ``max_batch_tokens`` tokens (in
   whole pages: ``ceil(T / 64) + max_requests`` pages, as ``layersplit.cp_pool`` allocates them);
-* upstream SGLang layer split (for comparison): owned layers + one pool-sized scratch layer.
+* upstream SGLang layer split (for comparison): owned layers + one pool-sized scratch layer;
+* our SGLang plug-in: upstream's layout (its attention backend addresses the landing buffer with pool
+  locations) plus batch-sized staging: two KV slots and three indexer-key buffers of
+  ``ceil(max_batch_tokens / 64)`` pages (:func:`sglang_plugin_staging_bytes`).
 """
 
 from __future__ import annotations
@@ -48,6 +51,13 @@ def mode_bytes(model: ModelConfig, cp: int, kv_dtype: str, mode: str, max_batch_
     held = tuple(own.owned_layers(r) for r in range(cp))
     scratch = 2 * scratch_pages_for(max_batch_tokens, max_requests) * PAGE_SIZE * max(per_layer) if cp > 1 else 0
     return ModeBytes(mode, max(sum(per_layer[layer] for layer in h) for h in held), held, scratch)
+
+
+def sglang_plugin_staging_bytes(model: ModelConfig, kv_dtype: str, max_batch_tokens: int) -> int:
+    """Staging the SGLang plug-in allocates beside upstream's pool (``layersplit.sglang_plugin.pool``):
+    two KV slots and three indexer-key page buffers (two prefix slots, one for new pages)."""
+    rows = -(-max_batch_tokens // PAGE_SIZE) * PAGE_SIZE
+    return 2 * rows * model.kv_bytes_per_token(kv_dtype) + 3 * rows * model.index_bytes_per_token
 
 
 @dataclass(frozen=True)
@@ -98,6 +108,8 @@ def capacity_plan(model: ModelConfig, hw: HardwareConfig, req: PlanRequest) -> d
     tokens_redundant = int(budget // redundant_per_token)
     tokens_layersplit = max(0, int((budget - scratch_bytes) // owned_per_token))
     tokens_upstream = int(budget // upstream_per_token)
+    plugin_staging = sglang_plugin_staging_bytes(model, req.kv_dtype, req.max_batch_tokens) if req.cp > 1 else 0
+    tokens_plugin = max(0, int((budget - plugin_staging) // upstream_per_token))
     rows_bytes = req.context_len * max(per_layer)
     return {
         "model": model.name, "hardware": hw.name, "cp": req.cp, "kv_dtype": req.kv_dtype,
@@ -114,6 +126,9 @@ def capacity_plan(model: ModelConfig, hw: HardwareConfig, req: PlanRequest) -> d
         "tokens_per_rank_upstream_layersplit": tokens_upstream,
         "capacity_ratio": tokens_layersplit / tokens_redundant if tokens_redundant else 0.0,
         "capacity_ratio_upstream": tokens_upstream / tokens_redundant if tokens_redundant else 0.0,
+        "sglang_plugin_staging_bytes": plugin_staging,
+        "tokens_per_rank_sglang_plugin": tokens_plugin,
+        "capacity_ratio_sglang_plugin": tokens_plugin / tokens_redundant if tokens_redundant else 0.0,
         "capacity_ratio_ideal": redundant_per_token / owned_per_token,
         "context_len": req.context_len,
         "broadcast_bytes_per_layer": rows_bytes,

@@ -34,6 +34,11 @@ def test_glm5_cp8_h200_bf16(capsys):
     assert r["tokens_per_rank_redundant"] == int(budget // (78 * 1284))
     assert r["broadcast_bytes_per_layer"] == 131072 * 1284
     assert r["broadcast_bytes_per_layer"] < r["broadcast_bytes_per_layer_upstream"]
+    # the SGLang plug-in: upstream's layout (11 layer-equivalents a token) minus its staging
+    staging = 2 * 131072 * 1152 + 3 * 131072 * 132
+    assert r["sglang_plugin_staging_bytes"] == staging == 353_894_400
+    assert r["tokens_per_rank_sglang_plugin"] == int((budget - staging) // (11 * 1284))
+    assert r["capacity_ratio_sglang_plugin"] < r["capacity_ratio_upstream"] < r["capacity_ratio"]
 
 
 def test_fp8_and_glm52_bytes(capsys):
