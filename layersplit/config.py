@@ -13,14 +13,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from dsa_kernels import envs
+from dsa_kernels.config_io import ConfigError, build, check_field, read_yaml, require
 from dsa_kernels.layout import index_row_bytes, mla_row_bytes
-
-
-class ConfigError(ValueError):
-    """A config file is missing, malformed, or inconsistent."""
 
 
 def configs_root() -> Path:
@@ -127,21 +122,6 @@ class HardwareConfig:
     dense_flops_fp8: float
 
 
-def _type_name(t: Any) -> str:
-    return {int: "int", float: "number", str: "str"}.get(t, getattr(t, "__name__", str(t)))
-
-
-def _check_field(path: Path, key: str, value: Any, ftype: Any) -> Any:
-    if ftype is float and isinstance(value, int) and not isinstance(value, bool):
-        value = float(value)
-    ok = isinstance(value, ftype) and not isinstance(value, bool)
-    if not ok:
-        raise ConfigError(f"{path}: field '{key}': expected {_type_name(ftype)}, got {value!r} ({type(value).__name__})")
-    if ftype in (int, float) and value < 0:
-        raise ConfigError(f"{path}: field '{key}': expected a value >= 0, got {value!r}")
-    return value
-
-
 def _parse_indexer_layers(path: Path, value: Any) -> IndexerLayers:
     if value == "all":
         return ALL_LAYERS
@@ -150,31 +130,12 @@ def _parse_indexer_layers(path: Path, value: Any) -> IndexerLayers:
             f"{path}: field 'indexer_layers': expected 'all' or a mapping with keys leading, start, every; "
             f"got {value!r}"
         )
-    parsed = {k: _check_field(path, f"indexer_layers.{k}", v, int) for k, v in value.items()}
+    parsed = {k: check_field(path, f"indexer_layers.{k}", v, int, nonnegative=True) for k, v in value.items()}
     return IndexerLayers(**parsed)
 
 
 def _build(cls: type, path: Path, data: Any, special: dict[str, Any]) -> Any:
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path}: expected a mapping of fields, got {type(data).__name__}")
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    unknown = sorted(set(data) - set(fields))
-    if unknown:
-        raise ConfigError(f"{path}: unknown field '{unknown[0]}' (known fields: {', '.join(fields)})")
-    missing = [k for k in fields if k not in data]
-    if missing:
-        raise ConfigError(f"{path}: field '{missing[0]}': expected a value, got nothing (field missing)")
-    types = {"int": int, "float": float, "str": str}
-    values = {}
-    for key, raw in data.items():
-        parse = special.get(key)
-        values[key] = parse(path, raw) if parse else _check_field(path, key, raw, types[fields[key].type])
-    return cls(**values)
-
-
-def _require(path: Path, cond: bool, field: str, expected: str, got: Any) -> None:
-    if not cond:
-        raise ConfigError(f"{path}: field '{field}': expected {expected}, got {got!r}")
+    return build(cls, path, data, special=special, nonnegative=True)
 
 
 def _validate_model(path: Path, m: ModelConfig) -> ModelConfig:
@@ -182,15 +143,15 @@ def _validate_model(path: Path, m: ModelConfig) -> ModelConfig:
                 "qk_nope_head_dim", "v_head_dim", "index_n_heads", "index_head_dim", "index_topk",
                 "n_routed_experts", "num_experts_per_tok", "moe_intermediate_size", "intermediate_size", "vocab_size"]
     for key in positive:
-        _require(path, getattr(m, key) >= 1, key, "int >= 1", getattr(m, key))
-    _require(path, m.first_k_dense < m.num_layers, "first_k_dense", f"< num_layers ({m.num_layers})", m.first_k_dense)
-    _require(path, m.num_experts_per_tok <= m.n_routed_experts, "num_experts_per_tok",
+        require(path, getattr(m, key) >= 1, key, "int >= 1", getattr(m, key))
+    require(path, m.first_k_dense < m.num_layers, "first_k_dense", f"< num_layers ({m.num_layers})", m.first_k_dense)
+    require(path, m.num_experts_per_tok <= m.n_routed_experts, "num_experts_per_tok",
              f"<= n_routed_experts ({m.n_routed_experts})", m.num_experts_per_tok)
-    _require(path, m.qk_rope_head_dim % 2 == 0, "qk_rope_head_dim", "an even number (rope pairs)", m.qk_rope_head_dim)
-    _require(path, m.index_head_dim % 16 == 0, "index_head_dim", "a multiple of 16", m.index_head_dim)
-    _require(path, math.log2(m.kv_lora_rank).is_integer(), "kv_lora_rank", "a power of 2", m.kv_lora_rank)
+    require(path, m.qk_rope_head_dim % 2 == 0, "qk_rope_head_dim", "an even number (rope pairs)", m.qk_rope_head_dim)
+    require(path, m.index_head_dim % 16 == 0, "index_head_dim", "a multiple of 16", m.index_head_dim)
+    require(path, math.log2(m.kv_lora_rank).is_integer(), "kv_lora_rank", "a power of 2", m.kv_lora_rank)
     ids = m.indexer_layer_ids
-    _require(path, bool(ids) and ids[0] == 0, "indexer_layers", "a rule that includes layer 0 (later layers reuse "
+    require(path, bool(ids) and ids[0] == 0, "indexer_layers", "a rule that includes layer 0 (later layers reuse "
              "the last top-k, so the first layer must compute one)", m.indexer_layers)
     return m
 
@@ -212,27 +173,20 @@ def _resolve(kind: str, name_or_path: str | Path) -> Path:
     return path
 
 
-def _read_yaml(path: Path) -> Any:
-    try:
-        return yaml.safe_load(path.read_text())
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{path}: expected valid YAML, got a parse error: {exc}") from None
-
-
 def load_model(name_or_path: str | Path) -> ModelConfig:
     """Load ``configs/models/<name>.yaml`` (or a path) into a validated :class:`ModelConfig`."""
     path = _resolve("model", name_or_path)
-    model = _build(ModelConfig, path, _read_yaml(path), {"indexer_layers": _parse_indexer_layers})
+    model = _build(ModelConfig, path, read_yaml(path), {"indexer_layers": _parse_indexer_layers})
     return _validate_model(path, model)
 
 
 def load_hardware(name_or_path: str | Path) -> HardwareConfig:
     """Load ``configs/hardware/<name>.yaml`` (or a path) into a validated :class:`HardwareConfig`."""
     path = _resolve("hardware", name_or_path)
-    hw = _build(HardwareConfig, path, _read_yaml(path), {})
+    hw = _build(HardwareConfig, path, read_yaml(path), {})
     for f in dataclasses.fields(HardwareConfig):
         if f.name != "name":
-            _require(path, getattr(hw, f.name) > 0, f.name, "a value > 0", getattr(hw, f.name))
+            require(path, getattr(hw, f.name) > 0, f.name, "a value > 0", getattr(hw, f.name))
     return hw
 
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from layersplit.config import ConfigError, _build, _read_yaml, configs_root
+from dsa_kernels.config_io import ConfigError, read_yaml
+from layersplit.config import _build, configs_root
 
 ENGINES = ("real", "model")
 
@@ -48,7 +49,7 @@ def load_sweep(name_or_path: str | Path) -> SweepConfig:
     if not path.is_file():
         known = sorted(p.stem for p in (configs_root() / "sweeps").glob("*.yaml"))
         raise ConfigError(f"sweep '{name_or_path}': expected one of {known} or a YAML path, got no such file")
-    cfg = _build(SweepConfig, path, _read_yaml(path), {"lengths": _lengths})
+    cfg = _build(SweepConfig, path, read_yaml(path), {"lengths": _lengths})
     checks = [("engine", cfg.engine in ENGINES, f"one of {ENGINES}"), ("cp", cfg.cp >= 1, "an integer >= 1"),
               ("new_fraction", 0 < cfg.new_fraction <= 1, "a number in (0, 1]"),
               ("scale", 0 < cfg.scale <= 1, "a number in (0, 1]"), ("sessions", cfg.sessions >= 1, ">= 1"),

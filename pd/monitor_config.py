@@ -10,19 +10,13 @@ the rules, so a metric of exactly 1.4 or 0.96 never fires through binary roundin
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 from fractions import Fraction
 from pathlib import Path
-from typing import Any
 
-import yaml
+from dsa_kernels.config_io import ConfigError, build, read_yaml, require
 
 SIGNALS = ("cumulative", "window", "any")
-
-
-class ConfigError(ValueError):
-    """The monitor config file is missing, malformed, or inconsistent."""
 
 
 def default_config_path() -> Path:
@@ -80,61 +74,22 @@ class MonitorConfig:
     retry: RetryPolicy = RetryPolicy()
 
 
-_TYPE_NAMES = {int: "int", float: "number", str: "str", bool: "bool"}
-
-
-def _check_type(path: Path, key: str, value: Any, ftype: type) -> Any:
-    if ftype is float and isinstance(value, int) and not isinstance(value, bool):
-        value = float(value)
-    ok = isinstance(value, ftype) and (ftype is bool or not isinstance(value, bool))
-    if not ok:
-        got = f"{value!r} ({type(value).__name__})"
-        raise ConfigError(f"{path}: field '{key}': expected {_TYPE_NAMES[ftype]}, got {got}")
-    return value
-
-
-def _require(path: Path, cond: bool, key: str, expected: str, got: Any) -> None:
-    if not cond:
-        raise ConfigError(f"{path}: field '{key}': expected {expected}, got {got!r}")
-
-
-def _build(cls: type, path: Path, data: Any, prefix: str, nested: dict[str, type]) -> Any:
-    where = f"field '{prefix.rstrip('.')}': " if prefix else ""
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path}: {where}expected a mapping of fields, got {type(data).__name__}")
-    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
-    unknown = sorted(set(data) - set(fields))
-    if unknown:
-        raise ConfigError(f"{path}: unknown field '{prefix}{unknown[0]}' (known fields: {', '.join(fields)})")
-    missing = [k for k in fields if k not in data]
-    if missing:
-        raise ConfigError(f"{path}: field '{prefix}{missing[0]}': expected a value, got nothing (field missing)")
-    types = {"int": int, "float": float, "str": str, "bool": bool}
-    values = {}
-    for key, raw in data.items():
-        if key in nested:
-            values[key] = _build(nested[key], path, raw, f"{prefix}{key}.", {})
-        else:
-            values[key] = _check_type(path, prefix + key, raw, types[fields[key].type])
-    return cls(**values)
-
-
 def _validate(path: Path, cfg: MonitorConfig) -> MonitorConfig:
     g, r, p = cfg.garbled, cfg.repetition, cfg.retry
-    _require(path, cfg.window_steps >= 1, "window_steps", "int >= 1", cfg.window_steps)
-    _require(path, g.accept_length_below > 1, "garbled.accept_length_below",
+    require(path, cfg.window_steps >= 1, "window_steps", "int >= 1", cfg.window_steps)
+    require(path, g.accept_length_below > 1, "garbled.accept_length_below",
              "a number > 1 (every verify step yields at least one token)", g.accept_length_below)
-    _require(path, g.after_generated_tokens >= 0, "garbled.after_generated_tokens", "int >= 0",
+    require(path, g.after_generated_tokens >= 0, "garbled.after_generated_tokens", "int >= 0",
              g.after_generated_tokens)
-    _require(path, 0 < r.accept_rate_above < 1, "repetition.accept_rate_above", "a number in (0, 1)",
+    require(path, 0 < r.accept_rate_above < 1, "repetition.accept_rate_above", "a number in (0, 1)",
              r.accept_rate_above)
-    _require(path, r.min_verify_steps >= 1, "repetition.min_verify_steps", "int >= 1", r.min_verify_steps)
+    require(path, r.min_verify_steps >= 1, "repetition.min_verify_steps", "int >= 1", r.min_verify_steps)
     for name, rule in (("garbled", g), ("repetition", r)):
-        _require(path, rule.signal in SIGNALS, f"{name}.signal", f"one of {list(SIGNALS)}", rule.signal)
-    _require(path, p.max_retries >= 0, "retry.max_retries", "int >= 0", p.max_retries)
-    _require(path, p.backoff_initial_s >= 0, "retry.backoff_initial_s", "a number >= 0", p.backoff_initial_s)
-    _require(path, p.backoff_multiplier >= 1, "retry.backoff_multiplier", "a number >= 1", p.backoff_multiplier)
-    _require(path, p.backoff_max_s >= p.backoff_initial_s, "retry.backoff_max_s",
+        require(path, rule.signal in SIGNALS, f"{name}.signal", f"one of {list(SIGNALS)}", rule.signal)
+    require(path, p.max_retries >= 0, "retry.max_retries", "int >= 0", p.max_retries)
+    require(path, p.backoff_initial_s >= 0, "retry.backoff_initial_s", "a number >= 0", p.backoff_initial_s)
+    require(path, p.backoff_multiplier >= 1, "retry.backoff_multiplier", "a number >= 1", p.backoff_multiplier)
+    require(path, p.backoff_max_s >= p.backoff_initial_s, "retry.backoff_max_s",
              f">= retry.backoff_initial_s ({p.backoff_initial_s})", p.backoff_max_s)
     return cfg
 
@@ -150,9 +105,7 @@ def load_monitor_config(path: str | Path | None = None) -> MonitorConfig:
     path = Path(path) if path is not None else default_config_path()
     if not path.is_file():
         raise ConfigError(f"{path}: expected a monitor config file, got no such file")
-    try:
-        data = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{path}: expected valid YAML, got a parse error: {exc}") from None
     nested = {"garbled": GarbledRule, "repetition": RepetitionRule, "retry": RetryPolicy}
-    return _validate(path, _build(MonitorConfig, path, data, "", nested))
+    special = {key: (lambda p, raw, cls=cls, key=key: build(cls, p, raw, prefix=f"{key}."))
+               for key, cls in nested.items()}
+    return _validate(path, build(MonitorConfig, path, read_yaml(path), special=special))
