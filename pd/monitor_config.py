@@ -30,29 +30,34 @@ def exact(value: float) -> Fraction:
 
 
 @dataclass(frozen=True)
-class GarbledRule:
-    """Corrupted KV: accept length < ``accept_length_below`` once generated > ``after_generated_tokens``."""
+class _Rule:
+    """A rule whose YAML limit (the field named by ``LIMIT``) is also kept as an exact ``threshold``."""
 
-    accept_length_below: float = 1.4
-    after_generated_tokens: int = 128
-    signal: str = "any"
+    LIMIT = ""
     threshold: Fraction = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "threshold", exact(self.accept_length_below))
+        object.__setattr__(self, "threshold", exact(getattr(self, self.LIMIT)))
 
 
 @dataclass(frozen=True)
-class RepetitionRule:
+class GarbledRule(_Rule):
+    """Corrupted KV: accept length < ``accept_length_below`` once generated > ``after_generated_tokens``."""
+
+    LIMIT = "accept_length_below"
+    accept_length_below: float = 1.4
+    after_generated_tokens: int = 128
+    signal: str = "any"
+
+
+@dataclass(frozen=True)
+class RepetitionRule(_Rule):
     """Degenerate loop: accept rate > ``accept_rate_above`` once verify steps >= ``min_verify_steps``."""
 
+    LIMIT = "accept_rate_above"
     accept_rate_above: float = 0.96
     min_verify_steps: int = 32
     signal: str = "any"
-    threshold: Fraction = field(init=False, repr=False, compare=False)
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "threshold", exact(self.accept_rate_above))
 
 
 @dataclass(frozen=True)
