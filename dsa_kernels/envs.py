@@ -45,13 +45,14 @@ def sglang_scratch_tokens() -> int:
     return value
 
 
-SGLANG_UNSAFE_SKIPS = ("index_wait", "slot_wait")
+SGLANG_UNSAFE_SKIPS = ("index_wait", "slot_wait", "load_wait")
 
 
 def sglang_unsafe_skip() -> frozenset[str]:
     """``LAYERSPLIT_SGLANG_UNSAFE_SKIP``: comma list of waits the plug-in leaves out, **for stress tests
     only** (``index_wait``: the indexer reads HiCache-loaded index keys without waiting for them;
-    ``slot_wait``: the plug-in pool uses a KV staging slot without waiting for its broadcast)."""
+    ``slot_wait``: the plug-in pool uses a staging slot without waiting for its broadcast;
+    ``load_wait``: the plug-in pool broadcasts a layer without waiting for its HiCache load)."""
     raw = os.environ.get("LAYERSPLIT_SGLANG_UNSAFE_SKIP", "")
     values = frozenset(v.strip().lower() for v in raw.split(",") if v.strip())
     bad = sorted(values - set(SGLANG_UNSAFE_SKIPS))

@@ -42,8 +42,9 @@ def add_parser(sub: argparse._SubParsersAction, int_at_least) -> None:
                                               "(needs sglang installed)")
     sp.add_argument("--iterations", type=int_at_least(1), default=200, help="batches of 5 layers (default 200)")
     sp.add_argument("--seed", type=int, default=0)
-    sp.add_argument("--unsafe-skip-wait", action="store_true",
-                    help="UNSAFE: use a staging slot without waiting for its broadcast (shows the detector firing)")
+    sp.add_argument("--unsafe-skip-wait", choices=("slot", "load"), default=None,
+                    help="UNSAFE: use a staging slot without waiting for its broadcast (slot), or broadcast a "
+                         "layer without waiting for its HiCache load (load); shows the detector firing")
     sp.set_defaults(func=run_sglang_pool)
 
 
@@ -123,7 +124,7 @@ def run_sglang_hicache(args: argparse.Namespace) -> int:
 
 def run_sglang_pool(args: argparse.Namespace) -> int:
     stress = _sglang_stress()
-    result = stress.run_pool(args.iterations, seed=args.seed,
-                             unsafe_skip=("slot_wait",) if args.unsafe_skip_wait else ())
+    unsafe = (f"{args.unsafe_skip_wait}_wait",) if args.unsafe_skip_wait else ()
+    result = stress.run_pool(args.iterations, seed=args.seed, unsafe_skip=unsafe)
     print(json.dumps(asdict(result)))
-    return _verdict(args.unsafe_skip_wait, result.stale_reads, "layer")
+    return _verdict(bool(unsafe), result.stale_reads, "layer")

@@ -28,6 +28,8 @@ from __future__ import annotations
 
 import importlib
 
+import torch
+
 from dsa_kernels import envs
 from layersplit.sglang_plugin import compat
 
@@ -103,34 +105,34 @@ def make_engine_class(base: type | None = None) -> type:
             if complete_index is None or not any(is_indexer_transfer(t, indexer_host) for t in transfers):
                 return super().submit_host_to_device(transfers, transfer_layer_id_max=transfer_layer_id_max,
                                                      start_event=start_event, on_layer_done=on_layer_done)
-            dm = module.device_module
-            launch = getattr(dm, "launch", None)  # the emulated device module queues host work on the stream
+            launch = getattr(module.device_module, "launch", None)  # the emulated module queues host work
             with self._submission(transfers, self.host_to_device_stream, "host_to_device", start_event) as (
                     prepared, completion):
                 primary = prepared[0] if prepared else None
-                index_first = [t for t in prepared if is_indexer_transfer(t, indexer_host)]
-                kv_rest = [t for t in prepared if not is_indexer_transfer(t, indexer_host)]
+                phases = (([t for t in prepared if is_indexer_transfer(t, indexer_host)], complete_index),
+                          ([t for t in prepared if not is_indexer_transfer(t, indexer_host)], on_layer_done))
                 delay_cycles = module.envs.SGLANG_TEST_HICACHE_H2D_DELAY_CYCLES.get()
                 for layer_id in range(transfer_layer_id_max):
                     if delay_cycles:
-                        import torch
-
                         torch.cuda._sleep(delay_cycles)
-                    for phase, done in ((index_first, complete_index), (kv_rest, on_layer_done)):
+                    for phase, done in phases:  # indexer keys, their event; then the rest, the layer event
                         for transfer in phase:
-                            local = transfer.layer_mapper(layer_id) if transfer.layer_mapper is not None else layer_id
-                            if local is None or (transfer is not primary and transfer.layer_mapper is None
-                                                 and layer_id >= transfer.host_pool.layer_num):
-                                continue  # upstream's skip rule, unchanged
-
-                            def copy(t=transfer, local=local):
-                                t.host_pool.load_to_device_per_layer_physical(
-                                    t.device_pool, t.host_indices, t.device_indices, local, self.io_backend,
-                                    is_draft=t.is_draft)
-
-                            launch(copy, f"h2d[{layer_id}]") if launch else copy()
+                            self._load_layer(transfer, layer_id, transfer is primary, launch)
                         done(layer_id)
             return completion
+
+        def _load_layer(self, transfer, layer_id: int, is_primary: bool, launch) -> None:
+            local = transfer.layer_mapper(layer_id) if transfer.layer_mapper is not None else layer_id
+            if local is None or (not is_primary and transfer.layer_mapper is None
+                                 and layer_id >= transfer.host_pool.layer_num):
+                return  # upstream's skip rule, unchanged
+
+            def copy():
+                transfer.host_pool.load_to_device_per_layer_physical(
+                    transfer.device_pool, transfer.host_indices, transfer.device_indices, local, self.io_backend,
+                    is_draft=transfer.is_draft)
+
+            launch(copy, f"h2d[{layer_id}]") if launch else copy()
 
     return IndexFirstL2TransferEngine
 

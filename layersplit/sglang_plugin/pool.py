@@ -246,13 +246,15 @@ def make_pool_class(base: type | None = None, index_cache_base: type | None = No
                 dm = self.device_module
                 self.kv_broadcast_stream.wait_stream(dm.current_stream())
                 with dm.stream(self.kv_broadcast_stream):
-                    wait_loaded()  # the broadcast stream waits for HiCache's load, the forward stream does not
+                    if "load_wait" not in self._unsafe_skip:  # (skipping it is UNSAFE: stress tests only)
+                        wait_loaded()  # the broadcast stream waits for HiCache's load, the forward stream does not
                     self._run(send, "broadcast")
                     event = dm.Event()
                     event.record(self.kv_broadcast_stream)
                 slots.events[slot] = event
             else:
-                wait_loaded()
+                if "load_wait" not in self._unsafe_skip:
+                    wait_loaded()
                 send()
             self.broadcast_bytes[slots.kind] += staging.nbytes
             slots.layer[slot] = layer_id

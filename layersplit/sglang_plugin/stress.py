@@ -23,9 +23,12 @@ buy (upstream's single event makes it 0). Unsafe: ``index_wait``. sgl-kernel's `
 
 **pool** (:func:`run_pool`): two CP rank processes (gloo) run the plug-in pool in the model's order
 for several batches; the staged KV and prefix indexer-key broadcasts run on an emulated broadcast
-stream over a dedicated gloo group (upstream uses a dedicated NCCL communicator), with random stalls;
-every layer each rank reads is compared with a single-process upstream ``DSATokenToKVPool`` given the
-same writes. Unsafe: ``slot_wait`` (a staging slot is used without waiting for its broadcast).
+stream over a dedicated gloo group (upstream uses a dedicated NCCL communicator), while each owner's
+prefix pages are poisoned and reloaded from host memory on an emulated load stream (our split
+counter's events), both with random stalls; every layer each rank reads is compared with a
+single-process upstream ``DSATokenToKVPool`` given the same writes. Unsafe: ``slot_wait`` (a staging
+slot is used without waiting for its broadcast), ``load_wait`` (a layer is broadcast without waiting
+for its HiCache load).
 
 Command line: ``layersplit stress sglang-hicache`` and ``layersplit stress sglang-pool``.
 """
@@ -33,6 +36,7 @@ Command line: ``layersplit stress sglang-hicache`` and ``layersplit stress sglan
 from __future__ import annotations
 
 import contextlib
+import os
 import random
 import threading
 import time
@@ -148,6 +152,20 @@ class HostKV:
 
 
 @contextlib.contextmanager
+def _unsafe_skip_env(unsafe_skip):
+    """``LAYERSPLIT_SGLANG_UNSAFE_SKIP`` set to ``unsafe_skip`` for the block; the caller's value after."""
+    previous = os.environ.get("LAYERSPLIT_SGLANG_UNSAFE_SKIP")
+    os.environ["LAYERSPLIT_SGLANG_UNSAFE_SKIP"] = ",".join(sorted(unsafe_skip))
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop("LAYERSPLIT_SGLANG_UNSAFE_SKIP", None)
+        else:
+            os.environ["LAYERSPLIT_SGLANG_UNSAFE_SKIP"] = previous
+
+
+@contextlib.contextmanager
 def _emulated_sglang(device_module):
     """Point SGLang's cache controller and L2 transfer modules at ``device_module``; restore after."""
     import sglang.srt.managers.cache_controller as cc
@@ -172,6 +190,7 @@ def run(iterations: int = 40, layers: int = 4, seed: int = 0, unsafe_skip=(), ma
     """``upstream=True`` runs SGLang's own counter and engine (one event per layer) for comparison."""
     from hicache.device_module import EmulatedDeviceModule
     from layersplit.sglang_plugin import compat, hicache
+    from sglang.srt.mem_cache.l2_transfer import L2Transfer
     from sglang.srt.mem_cache.pool_host.dsa import DSAIndexerPoolHost, make_dsa_indexer_pool_decl
 
     page, size = 64, 64 * 16
@@ -182,12 +201,9 @@ def run(iterations: int = 40, layers: int = 4, seed: int = 0, unsafe_skip=(), ma
     result = StressResult("upstream" if upstream else "layersplit", iterations, layers, sorted(unsafe_skip), 0, 0, 0, 0, 0, 0.0)
     lock = threading.Lock()
     start = time.perf_counter()
-    import os
-
-    previous_skip = os.environ.get("LAYERSPLIT_SGLANG_UNSAFE_SKIP")
-    os.environ["LAYERSPLIT_SGLANG_UNSAFE_SKIP"] = ",".join(sorted(unsafe_skip))
     try:
-        with _emulated_sglang(dm), compat.resolve("get_parallel")().override(attn_dcp_size=1, attn_dcp_rank=0):
+        with (_unsafe_skip_env(unsafe_skip), _emulated_sglang(dm),
+              compat.resolve("get_parallel")().override(attn_dcp_size=1, attn_dcp_rank=0)):
             device = compat.resolve("dsa_pool")(size, **dsa_pool_kwargs(layers, page))
             anchor = SimpleNamespace(page_size=page, layout="layer_first", size=size, page_num=size // page)
             host_index = DSAIndexerPoolHost(make_dsa_indexer_pool_decl(device), anchor, pin_memory=False)
@@ -200,7 +216,6 @@ def run(iterations: int = 40, layers: int = 4, seed: int = 0, unsafe_skip=(), ma
                 engine = hicache.make_engine_class()("direct")
             device.register_layer_transfer_counter(counter)  # as SGLang's pool assembler does
             get_local_buffer = compat.resolve("index_key_cache").get_local_buffer
-            L2Transfer = __import__("sglang.srt.mem_cache.l2_transfer", fromlist=["L2Transfer"]).L2Transfer
             forward = dm.current_stream()
             for it in range(iterations):
                 host_pages = torch.tensor(rng.sample(range(size // page), pages_per_iteration))
@@ -225,8 +240,9 @@ def run(iterations: int = 40, layers: int = 4, seed: int = 0, unsafe_skip=(), ma
                 ev.start_event.record()
                 transfers = [L2Transfer(host_kv, device, host_rows, dev_rows),
                              L2Transfer(host_index, device, host_rows, dev_rows)]
-                submit = engine.submit_host_to_device if not upstream else _queued(engine, dm)
-                submit(transfers, transfer_layer_id_max=layers, start_event=ev.start_event,
+                if upstream:  # its loop calls the host pools directly: queue those calls on the load stream
+                    transfers = [t._replace(host_pool=_QueuedHostPool(t.host_pool, dm)) for t in transfers]
+                engine.submit_host_to_device(transfers, transfer_layer_id_max=layers, start_event=ev.start_event,
                                              on_layer_done=ev.complete)
                 for l in range(layers):
                     # the indexer's path to its keys: IndexKeyCache.get_local_buffer, with our hook
@@ -255,39 +271,25 @@ def run(iterations: int = 40, layers: int = 4, seed: int = 0, unsafe_skip=(), ma
                 forward.synchronize()
                 engine.host_to_device_stream.synchronize()
     finally:
-        if previous_skip is None:
-            os.environ.pop("LAYERSPLIT_SGLANG_UNSAFE_SKIP", None)
-        else:
-            os.environ["LAYERSPLIT_SGLANG_UNSAFE_SKIP"] = previous_skip
         dm.close()
     result.seconds = time.perf_counter() - start
     return result
 
 
-def _queued(engine, dm):
-    """Upstream's loop calls the host pools directly; queue those calls on the load stream, as CUDA
-    queues the kernels they launch."""
+class _QueuedHostPool:
+    """A host pool whose per-layer loads are queued on the current (load) stream, as CUDA queues the
+    kernels they launch; for running upstream's engine loop, which calls host pools directly."""
 
-    def submit(transfers, **kwargs):
-        queued = []
-        for t in transfers:
-            pool = t.host_pool
-            call = pool.load_to_device_per_layer_physical
+    shared_allocation_domain = None
 
-            class Queued:
-                layer_num = pool.layer_num
-                shared_allocation_domain = None
+    def __init__(self, pool, dm) -> None:
+        self.pool, self.dm, self.layer_num = pool, dm, pool.layer_num
 
-                def prepare_transfer_indices(self, h, d, io, pool=pool):
-                    return pool.prepare_transfer_indices(h, d, io)
+    def prepare_transfer_indices(self, host_indices, device_indices, io_backend):
+        return self.pool.prepare_transfer_indices(host_indices, device_indices, io_backend)
 
-                def load_to_device_per_layer_physical(self, *args, call=call, **kw):
-                    dm.launch(lambda: call(*args, **kw), "h2d")
-
-            queued.append(t._replace(host_pool=Queued()))
-        return engine.submit_host_to_device(queued, **kwargs)
-
-    return submit
+    def load_to_device_per_layer_physical(self, *args, **kwargs):
+        self.dm.launch(lambda: self.pool.load_to_device_per_layer_physical(*args, **kwargs), "h2d")
 
 
 @dataclass
@@ -299,6 +301,38 @@ class PoolStressResult:
     stale_reads: int
     stale_by_rank: list[int]
     seconds: float
+
+
+class _HostLoader:
+    """HiCache for the pool stress: each batch the owner's copies of the prefix-only pages (KV rows and
+    indexer keys) are poisoned and loaded back from a host snapshot on an emulated load stream, layer
+    by layer with random stalls, recording the split counter's indexer-ready and layer events."""
+
+    def __init__(self, ref, pool, dm) -> None:
+        self.pool, self.dm, self.load = pool, dm, dm.Stream()
+        self.pages = torch.tensor([p for p in PREFIX_PAGES if p not in NEW_PAGES])
+        self.rows = (self.pages[:, None] * PAGE + torch.arange(PAGE)).flatten()
+        self.owned = [i for i in range(LAYERS) if pool._is_layer_owned(i)]
+        self.host_kv = {i: ref.kv_buffer[i][self.rows].clone() for i in self.owned}
+        self.host_index = {i: ref.index_k_with_scale_buffer[i][self.pages].clone() for i in self.owned}
+
+    def reload(self, counter) -> None:
+        pool, dm = self.pool, self.dm
+        producer = counter.update_producer()
+        counter.set_consumer(producer)
+        loading = counter.events[producer]
+        for i in self.owned:  # nothing is in flight: the last batch synchronized every stream
+            pool.kv_buffer[i].view(torch.uint8)[self.rows] = POISON
+            pool.index_key_cache.buffer[i][self.pages] = POISON
+        with dm.stream(self.load):
+            for i in range(LAYERS):
+                if i in self.owned:
+                    dm.launch(lambda i=i: pool.index_key_cache.buffer[i].index_copy_(0, self.pages, self.host_index[i]),
+                              "h2d")
+                loading.complete_index(i)
+                if i in self.owned:
+                    dm.launch(lambda i=i: pool.kv_buffer[i].index_copy_(0, self.rows, self.host_kv[i]), "h2d")
+                loading.complete(i)
 
 
 class _GlooComm:
@@ -317,38 +351,43 @@ class _GlooComm:
 
 
 def _pool_worker(rank: int, port: int, unsafe: str, iterations: int, seed: int, max_stall_s: float, queue) -> None:
-    import os
-
     if not torch.cuda.is_available():  # upstream stores indexer keys with a Triton kernel: interpret it on CPU
         os.environ.setdefault("TRITON_INTERPRET", "1")
     import torch.distributed as dist
 
     from hicache.device_module import EmulatedDeviceModule
-    from layersplit.sglang_plugin import compat
+    from layersplit.sglang_plugin import compat, hicache
     from layersplit.sglang_plugin.pool import make_pool_class
 
-    os.environ["LAYERSPLIT_SGLANG_UNSAFE_SKIP"] = unsafe
+    os.environ["LAYERSPLIT_SGLANG_UNSAFE_SKIP"] = unsafe  # this process only
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     kv_group = dist.new_group([0, 1], backend="gloo")  # staged broadcasts: their own stream and communicator
     dm = EmulatedDeviceModule()
     rng = random.Random(seed * 2 + rank)
-    dm.runtime.delay_hook = lambda stream, op: rng.uniform(0, max_stall_s) if op == "broadcast" else 0.0
+    # host->device loads stall up to 10x longer than broadcasts: a layer must still be loading when
+    # the model prefetches it, one layer ahead
+    dm.runtime.delay_hook = lambda stream, op: rng.uniform(0, {"broadcast": max_stall_s, "h2d": 10 * max_stall_s}
+                                                           .get(op, 0.0))
     try:
         with published():
             ref = compat.resolve("dsa_pool")(SIZE, **dsa_pool_kwargs())
             write_prefix(ref)
-        with published(world=2, group=dist.group.WORLD):
+        with published(world=2, group=dist.group.WORLD), _emulated_sglang(dm):
             pool = make_pool_class()(SIZE, **dsa_pool_kwargs(), layer_shard_rank=rank, layer_shard_size=2)
             write_prefix(pool)
             pool.device_module, pool.kv_broadcast_stream = dm, dm.Stream()
             pool.layer_broadcast_comm = _GlooComm(kv_group)
+            counter = hicache.make_counter_class()(LAYERS)  # its events live on the emulated streams
+            pool.register_layer_transfer_counter(counter)
+        loader = _HostLoader(ref, pool, dm)
         pages = torch.tensor(sorted(set(PREFIX_PAGES + NEW_PAGES)))
         rows = (pages[:, None] * PAGE + torch.arange(PAGE)).flatten()
         stale = checked = 0
         for it in range(iterations):
             with published():
                 want = forward_layers(ref, seed=seed * 100_003 + it)
-            with published(world=2, group=dist.group.WORLD):
+            with published(world=2, group=dist.group.WORLD), _emulated_sglang(dm):
+                loader.reload(counter)  # the prefix comes back from host memory while the forward runs
                 pool.set_forward_pages(pages, new_pages=torch.tensor(NEW_PAGES))
                 got = forward_layers(pool, seed=seed * 100_003 + it, launch=dm.launch)
                 dm.synchronize()

@@ -507,15 +507,19 @@ def test_indexer_key_path_waits_only_for_indexer_keys():
 
 @pytest.mark.timeout(300)
 def test_staging_slot_events_under_real_asynchrony():
-    """The pool's side-stream KV broadcasts (gloo, on an emulated stream with random stalls) and its
-    slot events: every layer read equals the single-process upstream pool, and with the slot wait
-    switched off (documented unsafe flag) the same run reads rows that have not arrived."""
+    """The pool's side-stream broadcasts (gloo, on an emulated stream with random stalls, while the
+    owners' prefix pages reload from host on an emulated load stream): every layer read equals the
+    single-process upstream pool; with the slot wait or the load wait switched off (documented unsafe
+    flags) the same run reads rows that have not arrived."""
     from layersplit.sglang_plugin.stress import run_pool
 
     safe = run_pool(iterations=6)
     assert safe.layer_reads == 2 * 6 * LAYERS and safe.stale_reads == 0, safe
     unsafe = run_pool(iterations=6, unsafe_skip=("slot_wait",))
     assert unsafe.stale_reads > 0, unsafe
+    # the broadcast's wait for the owner's HiCache load, switched off: receivers get rows still loading
+    unloaded = run_pool(iterations=6, unsafe_skip=("load_wait",))
+    assert unloaded.stale_reads > 0, unloaded
 
 
 def test_stress_command_line(capsys, monkeypatch):
