@@ -64,3 +64,9 @@ def sglang_unsafe_skip() -> frozenset[str]:
 def sglang_spec_monitor_enabled() -> bool:
     """``LAYERSPLIT_SGLANG_SPEC_MONITOR=1`` adds the speculative-decoding monitor hook to the plug-in."""
     return os.environ.get("LAYERSPLIT_SGLANG_SPEC_MONITOR", "0").strip().lower() in ("1", "true", "yes", "on")
+
+
+def sanitize() -> bool:
+    """``LAYERSPLIT_SANITIZE=1`` runs the commands and rank processes under the stream-ordering
+    sanitizer (:mod:`hicache.sanitizer`); their JSON then carries ``sanitizer_hazards``."""
+    return os.environ.get("LAYERSPLIT_SANITIZE", "0").strip().lower() in ("1", "true", "yes", "on")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 
+from hicache import sanitizer
 from hicache.allocator import PageAllocator
 from hicache.paged_buffers import DSACacheSpec, PagedDSABuffers
 
@@ -18,4 +19,5 @@ class DSAHostPool(PagedDSABuffers):
         pin = torch.cuda.is_available() if pin_memory is None else pin_memory
         super().__init__(spec, num_pages, "cpu", layers, pin_memory=pin)
         self.pinned = pin
+        sanitizer.mark_host_memory(*self.kv.values(), *self.index.values())
         self.allocator = PageAllocator(num_pages, name="host pool")

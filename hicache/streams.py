@@ -18,6 +18,12 @@ kernels it launches are queued on that stream.
 
 Semantics follow CUDA: ``wait_event`` waits for the event's most recent ``record`` at the time of
 the call; waiting on (or querying) a never-recorded event is a no-op (ready).
+
+The **compute stream** (``rt.compute_stream()``) is where the host thread's own tensor work runs:
+on CUDA the current stream; emulated, an :class:`InlineStream` whose ops the host thread runs
+inside ``with compute.active():``. Its ``wait_event`` blocks the host on CPU, but it orders only the
+compute stream, as on a GPU. Under the stream sanitizer (:mod:`hicache.sanitizer`) every op,
+record, wait and synchronize here feeds the happens-before clocks at the moment the stream reaches it.
 """
 
 from __future__ import annotations
@@ -25,9 +31,12 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from contextlib import contextmanager
 from typing import Callable
 
 import torch
+
+from hicache import sanitizer
 
 DelayHook = Callable[[str, str], float]  # (stream name, op name) -> seconds to stall before the op
 
@@ -35,31 +44,58 @@ DelayHook = Callable[[str, str], float]  # (stream name, op name) -> seconds to 
 class _Marker:
     """One ``record`` of an emulated event: set when the stream reaches it."""
 
-    __slots__ = ("done", "stream")
+    __slots__ = ("done", "stream", "snap", "time")
 
-    def __init__(self, stream: "EmulatedStream") -> None:
+    def __init__(self, stream: "EmulatedStream | InlineStream") -> None:
         self.done = threading.Event()
         self.stream = stream
+        self.snap: int | None = None  # the sanitizer's snapshot of the stream's clock at this record
+        self.time = 0.0
+
+    def reach(self) -> None:
+        """The stream reached this record."""
+        san = sanitizer.current()
+        if san is not None:
+            self.snap = san.record(self.stream)
+        self.time = time.perf_counter()
+        self.done.set()
+
+    def observed(self) -> None:
+        """The host saw this record complete (synchronize, or a query that returned True)."""
+        san = sanitizer.current()
+        if san is not None:
+            san.host_wait(self.snap)
 
 
 class EmulatedEvent:
-    def __init__(self) -> None:
+    def __init__(self, enable_timing: bool = False) -> None:
         self._marker: _Marker | None = None
 
-    def record(self, stream: "EmulatedStream") -> None:
+    def record(self, stream: "EmulatedStream | InlineStream") -> None:
         marker = _Marker(stream)
         self._marker = marker
-        stream._put(marker.done.set, "record")
+        stream._record(marker)
 
     def query(self) -> bool:
         marker = self._marker
-        return marker is None or marker.done.is_set()
+        if marker is None:
+            return True
+        if marker.done.is_set():
+            marker.observed()
+            return True
+        return False
 
     def synchronize(self) -> None:
         marker = self._marker
         if marker is not None:
             marker.done.wait()
+            marker.observed()
             marker.stream._raise_pending()
+
+    def elapsed_time(self, end: "EmulatedEvent") -> float:
+        """Milliseconds between this record and ``end``'s (both completed), like ``torch.cuda.Event``."""
+        assert self._marker is not None and end._marker is not None, "elapsed_time: both events must be recorded"
+        return (end._marker.time - self._marker.time) * 1e3
 
 
 class EmulatedStream:
@@ -81,12 +117,20 @@ class EmulatedStream:
             except BaseException as exc:  # noqa: BLE001 - surfaced at the next synchronize
                 if self._error is None:
                     self._error = exc
+            fn = None  # drop the op's closure (and the tensors it holds) before waiting for the next
 
     def _put(self, fn: Callable[[], None], name: str) -> None:
         delay = self._runtime.delay_hook(self.name, name) if self._runtime.delay_hook else 0.0
         if delay > 0:
             self._queue.put(lambda: time.sleep(delay))
+        san = sanitizer.current()
+        if san is not None:  # the op carries the submitting host's clock; accesses are this stream's
+            submit, op = san.submit_state(), fn
+            fn = lambda: san.run_op(self, submit, op)  # noqa: E731
         self._queue.put(fn)
+
+    def _record(self, marker: _Marker) -> None:
+        self._put(marker.reach, "record")
 
     def _raise_pending(self) -> None:
         if self._error is not None:
@@ -101,19 +145,71 @@ class EmulatedStream:
         """Later work on this stream waits for the event's latest record; the host does not block."""
         marker = event._marker
         if marker is not None and marker.stream is not self:
-            self._put(marker.done.wait, "wait_event")
+            def wait() -> None:
+                marker.done.wait()
+                san = sanitizer.current()
+                if san is not None:
+                    san.wait(self, marker.snap)
+            self._put(wait, "wait_event")
 
     def synchronize(self) -> None:
         """Block the host until all submitted work ran; raise the first error it raised."""
-        done = threading.Event()
-        self._queue.put(done.set)
-        done.wait()
+        marker = _Marker(self)
+        self._record(marker)
+        marker.done.wait()
+        marker.observed()
         self._raise_pending()
 
     def close(self) -> None:
         """Finish queued work and stop the worker thread."""
         self._queue.put(None)
         self._worker.join()
+
+
+class InlineStream:
+    """The emulated **compute stream**: the host thread runs its ops as it reaches them (in
+    :meth:`active`), so they complete in program order; ``wait_event`` blocks the host until the
+    event completed. For the sanitizer these ops belong to the stream, not to the host: an event the
+    compute stream waited for orders the compute stream only, as on a GPU, where the host runs ahead.
+    """
+
+    def __init__(self, name: str, runtime: "EmulatedRuntime") -> None:
+        self.name = name
+        self._runtime = runtime
+
+    def _record(self, marker: _Marker) -> None:
+        marker.reach()
+
+    def _raise_pending(self) -> None:
+        pass  # its ops raise on the host at once
+
+    @contextmanager
+    def active(self):
+        san = sanitizer.current()
+        if san is None:
+            yield
+        else:
+            with san.acting_as(self):
+                yield
+
+    def submit(self, fn: Callable[[], object], name: str = "op") -> None:
+        with self.active():
+            fn()
+
+    def wait_event(self, event: EmulatedEvent) -> None:
+        marker = event._marker
+        if marker is None or marker.stream is self:
+            return
+        marker.done.wait()
+        marker.stream._raise_pending()
+        san = sanitizer.current()
+        if san is not None:
+            san.wait(self, marker.snap)
+
+    def synchronize(self) -> None:
+        marker = _Marker(self)
+        marker.reach()
+        marker.observed()
 
 
 class EmulatedRuntime:
@@ -123,6 +219,7 @@ class EmulatedRuntime:
         self.delay_hook: DelayHook | None = None
         self.device = torch.device("cpu")
         self._streams: dict[str, EmulatedStream] = {}
+        self._compute: InlineStream | None = None
 
     def stream(self, name: str) -> EmulatedStream:
         """The stream called ``name`` (created on first use)."""
@@ -130,8 +227,14 @@ class EmulatedRuntime:
             self._streams[name] = EmulatedStream(name, self)
         return self._streams[name]
 
-    def event(self) -> EmulatedEvent:
-        return EmulatedEvent()
+    def compute_stream(self) -> InlineStream:
+        """The stream the host thread's own tensor work runs on (its ops inside ``active()``)."""
+        if self._compute is None:
+            self._compute = InlineStream("compute", self)
+        return self._compute
+
+    def event(self, enable_timing: bool = False) -> EmulatedEvent:
+        return EmulatedEvent(enable_timing)
 
     def close(self) -> None:
         for stream in self._streams.values():
@@ -140,8 +243,8 @@ class EmulatedRuntime:
 
 
 class CudaEvent:
-    def __init__(self) -> None:
-        self._event = torch.cuda.Event()
+    def __init__(self, enable_timing: bool = False) -> None:
+        self._event = torch.cuda.Event(enable_timing=enable_timing)
 
     def record(self, stream: "CudaStream") -> None:
         self._event.record(stream.raw)
@@ -152,12 +255,20 @@ class CudaEvent:
     def synchronize(self) -> None:
         self._event.synchronize()
 
+    def elapsed_time(self, end: "CudaEvent") -> float:
+        return self._event.elapsed_time(end._event)
+
 
 class CudaStream:
-    def __init__(self, name: str, runtime: "CudaRuntime") -> None:
+    def __init__(self, name: str, runtime: "CudaRuntime", raw: "torch.cuda.Stream | None" = None) -> None:
         self.name = name
         self._runtime = runtime
-        self.raw = torch.cuda.Stream(device=runtime.device)
+        self.raw = raw if raw is not None else torch.cuda.Stream(device=runtime.device)
+
+    @contextmanager
+    def active(self):
+        with torch.cuda.stream(self.raw):
+            yield
 
     def submit(self, fn: Callable[[], object], name: str = "op") -> None:
         delay = self._runtime.delay_hook(self.name, name) if self._runtime.delay_hook else 0.0
@@ -189,15 +300,21 @@ class CudaRuntime:
             self._streams[name] = CudaStream(name, self)
         return self._streams[name]
 
-    def event(self) -> CudaEvent:
-        return CudaEvent()
+    def compute_stream(self) -> CudaStream:
+        """The device's current stream (where the host's own kernels are queued)."""
+        if "compute" not in self._streams:
+            self._streams["compute"] = CudaStream("compute", self, torch.cuda.current_stream(self.device))
+        return self._streams["compute"]
+
+    def event(self, enable_timing: bool = False) -> CudaEvent:
+        return CudaEvent(enable_timing)
 
     def close(self) -> None:
         torch.cuda.synchronize(self.device)
 
 
 Runtime = EmulatedRuntime | CudaRuntime
-Stream = EmulatedStream | CudaStream
+Stream = EmulatedStream | InlineStream | CudaStream
 Event = EmulatedEvent | CudaEvent
 
 

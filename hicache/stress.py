@@ -24,6 +24,7 @@ import torch
 
 from dsa_kernels import indexer_scores, positions_to_slots, sparse_mla_prefill, topk_indices
 from dsa_kernels.layout import PAGE_SIZE
+from hicache import sanitizer
 from hicache.allocator import OutOfPages
 from hicache.device_pool import DSADevicePool
 from hicache.host_pool import DSAHostPool
@@ -50,6 +51,7 @@ class StressConfig:
     attn_heads: int = 4
     topk: int = 64
     pipeline_depth: int = 2  # batches in flight before the oldest is checked
+    sanitize: bool = False  # run under the stream-ordering sanitizer (hicache.sanitizer)
 
 
 @dataclass
@@ -66,6 +68,14 @@ class StressReport:
     seconds: float = 0.0
     corruption_rate: float = 0.0
     config: dict = field(default_factory=dict)
+    sanitizer_hazards: int | None = None  # distinct stream-ordering hazards (None: not sanitized)
+    sanitizer_hazard_kinds: dict = field(default_factory=dict)
+    sanitizer_hazard_list: list = field(default_factory=list)
+
+    @property
+    def detected(self) -> bool:
+        """Corruption seen, or (sanitized) a missing stream edge reported."""
+        return bool(self.corrupted_outputs or self.sanitizer_hazards)
 
 
 @dataclass
@@ -261,5 +271,13 @@ class _Harness:
 
 
 def run_stress(spec: DSACacheSpec, cfg: StressConfig, progress=None) -> StressReport:
-    """Run the harness; see the module docstring. ``progress(n)`` is called with layers loaded."""
-    return _Harness(spec, cfg).run(progress)
+    """Run the harness; see the module docstring. ``progress(n)`` is called with layers loaded.
+    ``cfg.sanitize``: under the stream-ordering sanitizer; the report lists what it found."""
+    if not cfg.sanitize:
+        return _Harness(spec, cfg).run(progress)
+    with sanitizer.sanitized() as san:
+        report = _Harness(spec, cfg).run(progress)
+    report.sanitizer_hazards = len(san.hazards)
+    report.sanitizer_hazard_kinds = san.by_kind()
+    report.sanitizer_hazard_list = [str(h) for h in san.hazards]
+    return report

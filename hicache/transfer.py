@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from dsa_kernels import gather_pages, scatter_pages
+from hicache import sanitizer
 from hicache.paged_buffers import PagedDSABuffers
 
 
@@ -32,8 +33,9 @@ class PageIds:
 
     def __init__(self, src: PagedDSABuffers, src_pages: list[int], dst: PagedDSABuffers, dst_pages: list[int]) -> None:
         self._devices = (src.device, dst.device)
-        self.src = torch.tensor(src_pages, dtype=torch.int64)
-        self.dst = torch.tensor(dst_pages, dtype=torch.int64)
+        with sanitizer.host_work():  # built by the host, read by the copying stream
+            self.src = torch.tensor(src_pages, dtype=torch.int64)
+            self.dst = torch.tensor(dst_pages, dtype=torch.int64)
 
     def stage(self) -> None:
         self.src, self.dst = self.src.to(self._devices[0]), self.dst.to(self._devices[1])

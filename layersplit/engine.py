@@ -28,6 +28,7 @@ from dsa_kernels import (gather_pages, indexer_scores, pack_mla_kv, positions_to
 from dsa_kernels.layout import PAGE_SIZE
 from hicache.host_pool import DSAHostPool
 from hicache.load_pipeline import LayerwiseLoader
+from hicache import sanitizer
 from hicache.streams import Event, Runtime
 from layersplit.batch_plan import BatchPlan, Request, plan_batch
 from layersplit.comm import CPComm
@@ -69,6 +70,8 @@ class RankResult:
     trace: list[dict] = field(default_factory=list)
     reload_bytes: int = 0  # host-tier bytes this rank copied to its device pool (measured)
     bcast_wait_s: float = 0.0  # compute time spent waiting for broadcasts (exposed communication)
+    hazards: list[str] | None = None  # stream-ordering hazards (None: not sanitized)
+    hazard_kinds: dict[str, int] = field(default_factory=dict)
 
 
 def prefix_rows(spec, request_id: int, layer: int, n: int, seed: int) -> tuple[torch.Tensor, ...]:
@@ -104,16 +107,14 @@ class RankEngine:
                            scratch_pages_for(cfg.max_batch_tokens, cfg.max_requests), runtime.device)
         self.tracer = Tracer(rank, cfg.trace)
         self.comm = CPComm(runtime, rank, cfg.cp, self.tracer)
+        self.compute = runtime.compute_stream()
 
-    # waits: the compute thread is the forward stream on CPU --------------------------------------
+    # waits: the compute stream waits, the host does not (emulated: the host thread is that stream) --
     def _wait(self, name: str, event: Event | None, layer: int) -> None:
         if event is None:
             return
         with self.tracer.span(f"wait {name}", layer=layer):
-            if self.rt.kind == "cuda":
-                torch.cuda.current_stream().wait_event(event._event)
-            else:
-                event.synchronize()
+            self.compute.wait_event(event)
 
     # HiCache: prefix rows reload from this rank's (layer-split) host tier ---------------------------
     def _host_requests(self, plan: BatchPlan) -> list[int]:
@@ -124,7 +125,8 @@ class RankEngine:
         """Host pool holding this rank's layers of the host-tier prefixes; device pages poisoned."""
         host = DSAHostPool(self.spec, self.cfg.pool_pages, layers=self.pool.pool.layers)
         host.allocator.alloc(self.cfg.pool_pages)  # page ids mirror the device pool's
-        fill_prefix(host, host.layers, plan, self.cfg.prefix_seed, only=host_reqs)
+        with sanitizer.host_work():  # the host tier is written by the host
+            fill_prefix(host, host.layers, plan, self.cfg.prefix_seed, only=host_reqs)
         pages = sorted({p for b in host_reqs for p in plan.pool_pages[b][: -(-plan.requests[b].prefix_len // PAGE_SIZE)]})
         self.pool.pool.fill_pages(torch.tensor(pages, dtype=torch.int64), POISON)
         if self.cfg.hicache_delay_s > 0:
@@ -201,7 +203,10 @@ class RankEngine:
         """Prefill ``requests`` (prefixes cached) and return this rank's new-token hidden states."""
         plan = plan_batch(requests, self.pool.pool.allocator.alloc, self.cfg.cp, self.cfg.split)
         self.pool.check_fits(plan)
-        plan = plan.to(self.rt.device)
+        with self.compute.active():  # the host's tensor work below is the compute stream's
+            return self._prefill(requests, plan.to(self.rt.device))
+
+    def _prefill(self, requests: list[Request], plan: BatchPlan) -> RankResult:
         self._bcast_bytes: dict[int, int] = {}
         host_reqs = self._host_requests(plan)
         device_reqs = [b for b in range(len(requests)) if b not in host_reqs]

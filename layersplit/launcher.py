@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from hicache import sanitizer
 from hicache.streams import get_runtime
 from layersplit.batch_plan import Request
 from layersplit.config import ModelConfig
@@ -56,13 +57,21 @@ def _merge(name: str, results: list[RankResult]) -> CPResult:
 
 
 def _run_rank(model: ModelConfig, scenarios: list[Scenario], rank: int) -> list[RankResult]:
+    """Every scenario on this rank; under ``LAYERSPLIT_SANITIZE=1`` each is sanitized (its result
+    carries the hazards found)."""
     out = []
     for sc in scenarios:
+        san = sanitizer.enable_from_env()
         rt = get_runtime("cuda" if torch.cuda.is_available() else "emulated")
         try:
             out.append(RankEngine(sc.model or model, sc.cfg, rank, rt).prefill(sc.requests))
         finally:
             rt.close()
+            if san is not None:
+                sanitizer.disable()
+        if san is not None:
+            out[-1].hazards = [str(h) for h in san.hazards]
+            out[-1].hazard_kinds = san.by_kind()
     return out
 
 

@@ -67,6 +67,10 @@ def run_prefill(args: argparse.Namespace) -> int:
         "max_abs_deviation_vs_reference": float((result.hidden - reference.hidden).abs().max()),
         "measured_on": "cuda (nccl)" if torch.cuda.is_available() else "cpu (gloo, emulated streams)",
     }
+    if result.ranks[0].hazards is not None:  # LAYERSPLIT_SANITIZE=1: every rank and the reference
+        hazards = sorted({h for r in [*result.ranks, *reference.ranks] for h in r.hazards})
+        report["sanitizer_hazards"] = len(hazards)
+        report["sanitizer_hazard_list"] = hazards
     if args.trace:
         write_trace(args.trace, [e for r in result.ranks for e in r.trace])
         report["trace"] = args.trace

@@ -71,11 +71,12 @@ def run_pd(args: argparse.Namespace) -> int:
 def run_hicache(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
+    from dsa_kernels import envs
     from hicache.stress import StressConfig, run_stress
     from layersplit.config import cache_spec, load_model
 
     model = load_model(args.model)
-    cfg = StressConfig(layer_loads=args.loads, seed=args.seed, runtime=args.runtime,
+    cfg = StressConfig(layer_loads=args.loads, seed=args.seed, runtime=args.runtime, sanitize=envs.sanitize(),
                        unsafe_skip=frozenset(UNSAFE.get(args.unsafe_skip_wait, ())),
                        index_heads=model.index_n_heads, attn_heads=model.num_heads, topk=model.index_topk)
     with tqdm(total=args.loads, unit="layer", disable=args.json, leave=False) as bar:
@@ -86,9 +87,9 @@ def run_hicache(args: argparse.Namespace) -> int:
         for key, value in asdict(report).items():
             if key != "config":
                 print(f"{key:<20} {value}")
-    if not cfg.unsafe_skip and report.corrupted_outputs:
-        return 1  # the safe pipeline corrupted outputs: a real bug
-    if cfg.unsafe_skip and not report.corrupted_outputs:
+    if not cfg.unsafe_skip and report.detected:
+        return 1  # the safe pipeline corrupted outputs (or missed a stream edge): a real bug
+    if cfg.unsafe_skip and not report.detected:
         print("warning: no corruption detected with a safeguard removed; run more --loads")
         return 3
     return 0

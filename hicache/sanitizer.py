@@ -1,0 +1,553 @@
+"""Happens-before stream sanitizer for the emulated runtime: finds missing stream edges on a CPU.
+
+In the emulated runtime the compute stream is the host thread and runs synchronously, so a side
+stream that forgets to wait for it still reads finished data; a race shows only if a random stall
+exposes it. This sanitizer does not rely on timing. It attributes every tensor access to the agent
+that would execute it on a GPU and keeps a vector clock per agent; an access that conflicts with an
+earlier one (write/read, read/write, write/write on overlapping bytes) that is not ordered before it
+is reported with both call sites. A missing edge is reported on every run.
+
+**Agents.**
+
+* ``host``: a host thread outside any stream context; also *host halves* that a GPU runs at submit
+  time: a non-copy op on host memory (:func:`mark_host_memory`) inside a stream op (on CUDA a CPU
+  op inside ``with torch.cuda.stream(s)`` runs at once on the host, not in stream order). Such an
+  access carries the host's clock at submission, not the stream's.
+* a stream: each emulated worker stream (its ops run on its thread), and the inline compute stream
+  (the host thread inside ``stream.active()``). A copy op between host memory and device memory in
+  a stream op is a DMA on that stream (``copy_(non_blocking=True)`` from pinned memory).
+
+**Edges** (fed by :mod:`hicache.streams` when the *stream reaches them*, not when the host calls
+them): each submitted op carries the submitting host's clock; ``record`` snapshots the stream's
+clock into that record (keyed per record, not per event object); ``wait_event`` joins it into the
+waiting stream; ``Event.synchronize``, a ``query()`` that returns True and ``Stream.synchronize``
+join it into the host. Implicit syncs (``.item()``, ``.tolist()``) are *not* edges: call
+:func:`host_sync` where code relies on one.
+
+**Memory.** Accesses are byte ranges of a storage: a view's extent, refined to the rows an integer
+index selects along dim 0 (``pages[ids]``, ``index_put_``, ``index_select``, ``index_copy_``), so
+page copies touch only their pages. When a storage dies (a finalizer on it: CPU has no allocator
+hooks) its history is dropped and the **caching allocator's stream-bound reuse** is checked: CUDA
+hands a freed block to the next allocation on the stream that allocated it at once, so every
+access by another stream must be ordered before the free, or declared with :func:`record_stream`.
+
+What is reused from PyTorch's CUDA sanitizer (``torch.cuda._sanitizer``): ``StreamSynchronizations``
+holds the vector clocks (record / wait / ordered-after) and ``zip_arguments`` with the schemas'
+``alias_info`` tells reads from writes. What differs: the clocks are driven by our runtime's hooks
+instead of CUDA's trace callbacks, the host is an agent of its own whose clock travels with every
+submitted op, accesses are byte ranges instead of ``data_ptr`` keys (views of one buffer), and
+hazards are collected instead of raised.
+
+Usage::
+
+    with sanitized() as san:          # or LAYERSPLIT_SANITIZE=1 where the commands read it
+        run_the_pipeline()
+    assert not san.hazards, san.format()
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import sys
+import threading
+import weakref
+from collections import Counter
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+from torch.cuda._sanitizer import FACTORY_FUNCTION_REGEX, StreamSynchronizations, zip_arguments
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+aten = torch.ops.aten
+_COPIES = {aten.copy_.default, aten._to_copy.default}
+_INDEX_READS = {aten.index.Tensor: 1, aten.index_select.default: 2}  # op -> position of the index
+_INDEX_WRITES = {aten.index_put_.default: 1, aten._index_put_impl_.default: 1, aten.index_copy_.default: 2}
+_SKIP = {aten.record_stream.default, aten.set_.source_Storage_storage_offset}
+_HERE = os.path.dirname(os.path.abspath(__file__))
+_INTERNAL = (os.path.dirname(torch.__file__), os.path.join(_HERE, "sanitizer.py"), os.path.join(_HERE, "streams.py"),
+             os.path.join(_HERE, "device_module.py"), "threading.py", "contextlib.py", "<")
+
+_HOST_MEMORY: dict[int, weakref.ref] = {}  # storage data_ptr -> the storage, for host (pinned) memory
+_active: "Sanitizer | None" = None
+
+
+def mark_host_memory(*tensors: torch.Tensor) -> None:
+    """Declare ``tensors`` host memory (host pools, pinned staging): non-copy ops on them inside a
+    stream op are host work at submit time."""
+    for t in tensors:
+        storage = t.untyped_storage()
+        if storage.data_ptr():
+            _HOST_MEMORY[storage.data_ptr()] = weakref.ref(storage)
+
+
+def _is_host(key: int, storage) -> bool:
+    ref = _HOST_MEMORY.get(key)
+    return ref is not None and ref() is storage
+
+
+@dataclass(frozen=True)
+class Site:
+    """One side of a hazard: who accessed, how, and from where."""
+
+    agent: str
+    op: str
+    write: bool
+    where: str
+
+    def __str__(self) -> str:
+        return f"{'write' if self.write else 'read'} by {self.agent} in {self.op} at {self.where}"
+
+
+@dataclass(frozen=True)
+class Hazard:
+    kind: str  # read-after-write | write-after-read | write-after-write | allocator-reuse
+    first: Site
+    second: Site
+
+    @property
+    def key(self) -> tuple:
+        return (self.kind, self.first.agent, self.first.where, self.second.agent, self.second.where)
+
+    def __str__(self) -> str:
+        return f"{self.kind}: {self.second}\n    unordered with the earlier {self.first}"
+
+
+@dataclass
+class _Access:
+    start: int
+    end: int
+    agent: int
+    seq: int
+    write: bool
+    op: str
+    where: str
+
+
+@dataclass
+class _History:
+    accesses: list[_Access] = field(default_factory=list)
+    alloc_agent: int | None = None  # the stream that allocated it (None: seen before the sanitizer)
+    recorded: set[int] = field(default_factory=set)  # record_stream() declarations
+
+
+def _where() -> str:
+    frame, sites = sys._getframe(2), []
+    while frame is not None and len(sites) < 2:
+        name = frame.f_code.co_filename
+        if not name.startswith(_INTERNAL) and not name.endswith(_INTERNAL[3:]):
+            sites.append(f"{os.path.relpath(name) if name.startswith(os.getcwd()) else name}:{frame.f_lineno} "
+                         f"({frame.f_code.co_name})")
+        frame = frame.f_back
+    return " < ".join(sites) or "?"
+
+
+def _byte_ranges(t: torch.Tensor, rows: list[int] | None = None) -> list[tuple[int, int]]:
+    """Byte ranges of ``t``'s storage it covers (its extent, or only ``rows`` along dim 0)."""
+    if t.numel() == 0:
+        return []
+    es, base = t.element_size(), t.storage_offset()
+    if rows is None or t.dim() == 0:
+        extent = 1 + sum((s - 1) * abs(st) for s, st in zip(t.shape, t.stride()))
+        return [(base * es, (base + extent) * es)]
+    row_extent = 1 + sum((s - 1) * abs(st) for s, st in zip(t.shape[1:], t.stride()[1:]))
+    out: list[tuple[int, int]] = []
+    for r in rows:
+        start = (base + r * t.stride(0)) * es
+        if out and out[-1][1] == start:
+            out[-1] = (out[-1][0], start + row_extent * es)
+        else:
+            out.append((start, start + row_extent * es))
+    return out
+
+
+def _index_rows(func, args: tuple) -> tuple[torch.Tensor, list[int]] | None:
+    """(indexed tensor, its rows along dim 0) for an integer-index op on dim 0, else None."""
+    pos = _INDEX_READS.get(func, _INDEX_WRITES.get(func))
+    if pos is None or len(args) <= pos:
+        return None
+    self, index = args[0], args[pos]
+    if pos == 2 and args[1] != 0:  # index_select / index_copy_ along another dim
+        return None
+    if isinstance(index, (list, tuple)):
+        if len(index) != 1 or index[0] is None:
+            return None
+        index = index[0]
+    if not isinstance(index, torch.Tensor) or index.dtype in (torch.bool, torch.uint8) or self.dim() == 0:
+        return None
+    n = self.shape[0]
+    return self, sorted({v % n for v in index.flatten().tolist()}) if n else []
+
+
+def _collective_access(func, args: tuple) -> list[tuple[torch.Tensor, bool]] | None:
+    """c10d's schemas carry no alias annotations: broadcast_ writes its tensors except on the root,
+    allgather_ reads its inputs and writes its outputs."""
+    name = func._schema.name
+    if name == "c10d::broadcast_":
+        root = torch.distributed.ProcessGroup.unbox(args[1]).rank() == args[2]
+        return [(t, not root) for t in tree_flatten(args[0])[0]]
+    if name == "c10d::allgather_":
+        return [(t, True) for t in tree_flatten(args[0])[0]] + [(t, False) for t in tree_flatten(args[1])[0]]
+    if name.startswith("c10d::"):
+        return [(t, True) for t in tree_flatten(list(args))[0] if isinstance(t, torch.Tensor)]
+    return None
+
+
+class _Mode(TorchDispatchMode):
+    def __init__(self, san: "Sanitizer") -> None:
+        super().__init__()
+        self.san = san
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if _active is not self.san or func in _SKIP:
+            return func(*args, **kwargs)
+        inputs = self.san.parse_inputs(func, args, kwargs)
+        out = func(*args, **kwargs)
+        self.san.on_op(func, args, inputs, out)
+        return out
+
+
+class Sanitizer:
+    def __init__(self) -> None:
+        self.sync = StreamSynchronizations()  # reused from torch: vector clocks per agent and record
+        self.hazards: list[Hazard] = []
+        self.ops_checked = 0
+        self._seen: set[tuple] = set()
+        self._names: dict[int, str] = {}
+        self._ids = itertools.count(1)
+        self._seq = itertools.count(1)
+        self._lock = threading.RLock()
+        self._tls = threading.local()
+        self._storages: dict[int, _History] = {}
+        self._freed: list[tuple[int, _History, dict[int, int]]] = []
+        self._inline: set[int] = set()  # compute streams executed by the host thread
+
+    # agents -------------------------------------------------------------------------------------
+    def _new_agent(self, name: str) -> int:
+        agent = next(self._ids)
+        self.sync.create_stream(agent)
+        self._names[agent] = name
+        return agent
+
+    def host_agent(self) -> int:
+        agent = getattr(self._tls, "host", None)
+        if agent is None:
+            main = threading.current_thread() is threading.main_thread()
+            agent = self._tls.host = self._new_agent("host" if main else f"host:{threading.current_thread().name}")
+        return agent
+
+    def stream_agent(self, stream) -> int:
+        agent = getattr(stream, "_san_agent", None)
+        if agent is None or agent not in self._names:
+            with self._lock:
+                agent = stream._san_agent = self._new_agent(f"stream {stream.name}")
+        return agent
+
+    def _state(self, agent: int) -> dict[int, int]:
+        return self.sync.current_sync_states[agent]
+
+    def _join(self, agent: int, other: dict[int, int]) -> None:
+        self.sync._state_wait_for_other(self._state(agent), other)
+
+    def _enter_mode(self) -> None:
+        if getattr(self._tls, "mode", None) is None:
+            self._tls.mode = _Mode(self)
+            self._tls.mode.__enter__()
+
+    # hooks called by hicache.streams ---------------------------------------------------------------
+    def submit_state(self) -> tuple[int, dict[int, int]]:
+        """(the submitting host, its clock): carried into the op it submits. Work submitted from a
+        stream op (nested) carries that stream's clock."""
+        with self._lock:
+            submit = getattr(self._tls, "submit", None)
+            if submit is not None:  # from inside a stream op: that op's submitter
+                return submit[0], dict(self._state(self._tls.stream))
+            host = self.host_agent()  # not the compute stream's: the host runs ahead of it
+            return host, dict(self._state(host))
+
+    def run_op(self, stream, submit: tuple[int, dict[int, int]], fn) -> None:
+        """Run ``fn`` as an op of ``stream`` (on its worker thread), submitted with ``submit``."""
+        self._enter_mode()
+        agent = self.stream_agent(stream)
+        with self._lock:
+            self._join(agent, submit[1])
+        previous = (getattr(self._tls, "stream", None), getattr(self._tls, "submit", None))
+        self._tls.stream, self._tls.submit, self._tls.worker = agent, submit, True
+        try:
+            fn()
+        finally:
+            self._tls.stream, self._tls.submit = previous
+            # the worker drops the closure later; on a GPU the host dropped it right after submitting
+            self._tls.free_state = submit[1]
+
+    @contextmanager
+    def acting_as(self, stream):
+        """The calling host thread executes ``stream``'s ops inline (the emulated compute stream)."""
+        self._enter_mode()
+        agent = self.stream_agent(stream)
+        self._inline.add(agent)
+        previous = getattr(self._tls, "stream", None), getattr(self._tls, "submit", None)
+        self._tls.stream, self._tls.submit = agent, None
+        try:
+            yield
+        finally:
+            self._tls.stream, self._tls.submit = previous
+
+    @contextmanager
+    def as_host(self):
+        previous = getattr(self._tls, "stream", None), getattr(self._tls, "submit", None)
+        self._tls.stream, self._tls.submit = None, None
+        try:
+            yield
+        finally:
+            self._tls.stream, self._tls.submit = previous
+
+    def record(self, stream) -> int:
+        """``stream`` reached a record: a new snapshot id (one per record, not per event object)."""
+        with self._lock:
+            snap = next(self._ids)
+            self.sync.create_event(snap)
+            self.sync.record_state(snap, self.stream_agent(stream))
+            return snap
+
+    def wait(self, stream, snap: int | None) -> None:
+        if snap is not None:
+            with self._lock:
+                self.sync.stream_wait_for_event(self.stream_agent(stream), snap)
+
+    def host_wait(self, snap: int | None) -> None:
+        """The host observed a record complete (event synchronize / query / stream synchronize)."""
+        if snap is not None:
+            with self._lock:
+                self.sync.stream_wait_for_event(self.host_agent(), snap)
+
+    def record_stream(self, tensor: torch.Tensor, stream) -> None:
+        with self._lock:
+            hist = self._storages.get(tensor.untyped_storage().data_ptr())
+            if hist is not None:
+                hist.recorded.add(self.stream_agent(stream))
+
+    # accesses ------------------------------------------------------------------------------------
+    def parse_inputs(self, func, args, kwargs) -> list[tuple[torch.Tensor, bool]]:
+        collective = _collective_access(func, args)
+        if collective is not None:
+            return collective
+        factory = bool(FACTORY_FUNCTION_REGEX.match(func._schema.name))
+        out = []
+        for argument, value in zip_arguments(func._schema, args, kwargs):
+            alias = argument.alias_info
+            write = alias is not None and alias.is_write
+            if factory or (alias is not None and not write):
+                continue  # metadata only (a view, or a *_like factory)
+            out.extend((t, write) for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor))
+        return out
+
+    def on_op(self, func, args, inputs, out) -> None:
+        outputs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+        seen = {t.untyped_storage().data_ptr() for t, _ in inputs}
+        fresh = [] if any(r.alias_info is not None for r in func._schema.returns) else [
+            t for t in outputs if t.untyped_storage().data_ptr() not in seen]
+        indexed = _index_rows(func, args)
+        with self._lock:
+            self._drain_freed()
+            agent, state, seq, host_half = self._agent_for(func, inputs)
+            op, where = func._schema.name, _where()
+            self.ops_checked += 1
+            for t in fresh:
+                self._allocate(t, agent)
+            for t, write in [*inputs, *((t, True) for t in fresh)]:
+                rows = indexed[1] if indexed is not None and t is indexed[0] else None
+                self._access(t, rows, _Access(0, 0, agent, seq, write, op, where), state)
+
+    def _agent_for(self, func, inputs) -> tuple[int, dict[int, int], int, bool]:
+        stream = getattr(self._tls, "stream", None)
+        if stream is not None:
+            storages = [(t.untyped_storage().data_ptr(), t.untyped_storage()) for t, _ in inputs]
+            host = [_is_host(k, s) for k, s in storages]
+            submit = getattr(self._tls, "submit", None)
+            dma = func in _COPIES and (func is aten._to_copy.default or not all(host))
+            if any(host) and not dma:  # a host half: runs at submit time, with the host's clock then
+                if submit is None:  # inline compute stream: the host runs it now
+                    agent = self.host_agent()
+                    seq = next(self._seq)
+                    self.sync.update_seq_num(agent, seq)
+                    return agent, self._state(agent), seq, True
+                return submit[0], submit[1], submit[1].get(submit[0], 0), True
+            if submit is None:  # the inline compute stream: the host launched this op just now
+                self._join(stream, self._state(self.host_agent()))
+            seq = next(self._seq)
+            self.sync.update_seq_num(stream, seq)
+            return stream, self._state(stream), seq, False
+        agent = self.host_agent()
+        seq = next(self._seq)
+        self.sync.update_seq_num(agent, seq)
+        return agent, self._state(agent), seq, False
+
+    def _history(self, storage) -> tuple[int, _History]:
+        key = storage.data_ptr()
+        hist = self._storages.get(key)
+        if hist is None:
+            hist = self._storages[key] = _History()
+            weakref.finalize(storage, self._on_free, key, hist)
+        return key, hist
+
+    def _allocate(self, t: torch.Tensor, agent: int) -> None:
+        storage = t.untyped_storage()
+        if not storage.data_ptr():
+            return
+        key = storage.data_ptr()
+        old = self._storages.pop(key, None)
+        if old is not None:  # a new storage at a freed address whose finalizer has not run yet
+            old.accesses.clear()
+        _, hist = self._history(storage)
+        hist.alloc_agent = agent
+
+    def _access(self, t: torch.Tensor, rows, acc: _Access, state: dict[int, int]) -> None:
+        storage = t.untyped_storage()
+        if not storage.data_ptr():
+            return
+        _, hist = self._history(storage)
+        for start, end in _byte_ranges(t, rows):
+            self._check(hist, _Access(start, end, acc.agent, acc.seq, acc.write, acc.op, acc.where), state)
+
+    def _check(self, hist: _History, acc: _Access, state: dict[int, int]) -> None:
+        keep = []
+        for prev in hist.accesses:
+            overlap = prev.start < acc.end and acc.start < prev.end
+            if overlap and prev.agent != acc.agent and (acc.write or prev.write) and prev.seq > state.get(prev.agent, 0):
+                kind = ("write-after-write" if prev.write and acc.write else
+                        "read-after-write" if prev.write else "write-after-read")
+                self._report(kind, prev, acc)
+            covered = prev.start >= acc.start and prev.end <= acc.end
+            if covered and (acc.write or (prev.agent == acc.agent and not prev.write)):
+                continue  # superseded: a later conflict with it also conflicts with ``acc``
+            keep.append(prev)
+        keep.append(acc)
+        hist.accesses = keep
+
+    def _report(self, kind: str, prev: _Access, acc: _Access) -> None:
+        hazard = Hazard(kind, Site(self._names[prev.agent], prev.op, prev.write, prev.where),
+                        Site(self._names[acc.agent], acc.op, acc.write, acc.where))
+        if hazard.key not in self._seen:
+            self._seen.add(hazard.key)
+            self.hazards.append(hazard)
+
+    # the caching allocator -------------------------------------------------------------------------
+    def _on_free(self, key: int, hist: _History) -> None:
+        """Finalizer of a storage, run on the thread that dropped the last reference. The state that
+        later allocations on the allocating stream are ordered after: a stream worker drops an op's
+        closure when the op ran, a GPU host right after submitting it (the op's submit state); the
+        host thread: its clock and, for the inline compute stream, that stream's clock now."""
+        try:
+            with self._lock:
+                if getattr(self._tls, "worker", False):
+                    state = dict(getattr(self._tls, "free_state", None) or {})
+                else:
+                    state = dict(self._state(self.host_agent()))
+                    if hist.alloc_agent in self._inline:
+                        self.sync._state_wait_for_other(state, self._state(hist.alloc_agent))
+                self._freed.append((key, hist, state))
+        except (KeyError, AttributeError, TypeError):  # interpreter shutdown
+            return
+
+    def _drain_freed(self) -> None:
+        while self._freed:
+            key, hist, state = self._freed.pop()
+            if self._storages.get(key) is hist:
+                del self._storages[key]
+            alloc = hist.alloc_agent
+            if alloc is None or self._names[alloc].startswith("host"):
+                continue  # host memory is not handed out per stream
+            for acc in hist.accesses:
+                if acc.agent != alloc and acc.agent not in hist.recorded and acc.seq > state.get(acc.agent, 0):
+                    free = _Access(0, 0, alloc, 0, True, "free (reusable by its allocating stream)", acc.where)
+                    self._report("allocator-reuse", acc, free)
+
+    # results ---------------------------------------------------------------------------------------
+    def by_kind(self) -> dict[str, int]:
+        with self._lock:
+            self._drain_freed()
+            return dict(Counter(h.kind for h in self.hazards))
+
+    def format(self, limit: int = 20) -> str:
+        lines = [f"{len(self.hazards)} stream-ordering hazard(s) in {self.ops_checked} ops: {self.by_kind()}"]
+        lines += [f"  {i + 1}. {h}" for i, h in enumerate(self.hazards[:limit])]
+        return "\n".join(lines)
+
+
+# module API (no-ops when the sanitizer is off) ------------------------------------------------------
+def current() -> Sanitizer | None:
+    return _active
+
+
+def enable() -> Sanitizer:
+    """Start sanitizing (this process): accesses on this thread and on every stream worker."""
+    global _active
+    if _active is None:
+        _active = Sanitizer()
+        _active._enter_mode()
+    return _active
+
+
+def disable() -> Sanitizer | None:
+    """Stop sanitizing; returns the sanitizer with its hazards."""
+    global _active
+    san, _active = _active, None
+    mode = getattr(san._tls, "mode", None) if san is not None else None
+    if mode is not None:
+        san._tls.mode = None
+        mode.__exit__(None, None, None)
+    if san is not None:
+        san.by_kind()
+    return san
+
+
+@contextmanager
+def sanitized():
+    san = enable()
+    try:
+        yield san
+    finally:
+        if _active is san:
+            disable()
+
+
+def enabled_by_env() -> bool:
+    from dsa_kernels import envs
+
+    return envs.sanitize()
+
+
+def enable_from_env() -> Sanitizer | None:
+    """``LAYERSPLIT_SANITIZE=1``: enable in this process (command entry points and rank workers)."""
+    return enable() if enabled_by_env() else None
+
+
+@contextmanager
+def host_work():
+    """Declare the enclosed host-thread work host work (not the compute stream's): building page-id
+    tensors and other host-side inputs."""
+    san = _active
+    if san is None:
+        yield
+        return
+    with san.as_host():
+        yield
+
+
+def host_sync(stream) -> None:
+    """Declare an implicit host sync on ``stream`` that code relies on (``.item()`` and friends)."""
+    stream.synchronize()
+
+
+def record_stream(tensor: torch.Tensor, stream) -> None:
+    """The allocator may reuse ``tensor``'s memory only after ``stream``'s work queued so far:
+    ``Tensor.record_stream`` on CUDA, a declaration to the sanitizer on the emulated runtime."""
+    raw = getattr(stream, "raw", None)
+    if isinstance(raw, torch.cuda.Stream):
+        tensor.record_stream(raw)
+    elif _active is not None:
+        _active.record_stream(tensor, stream)
