@@ -18,13 +18,17 @@ class OutOfPages(RuntimeError):
 
 
 class PageAllocator:
-    def __init__(self, num_pages: int, name: str = "pool") -> None:
-        if num_pages < 1:
-            raise ValueError(f"{name}: num_pages: expected an integer >= 1, got {num_pages}")
+    """``reserved``: the first page ids are never handed out (page 0 as a padding page: page-table
+    padding and masked top-k entries point there, so they never read a page another batch owns)."""
+
+    def __init__(self, num_pages: int, name: str = "pool", reserved: int = 0) -> None:
+        if num_pages < 1 or not 0 <= reserved < num_pages:
+            raise ValueError(f"{name}: expected num_pages >= 1 and 0 <= reserved < num_pages, got "
+                             f"num_pages={num_pages}, reserved={reserved}")
         self.name = name
         self.num_pages = num_pages
         self._refs = [0] * num_pages
-        self._free: deque[int] = deque(range(num_pages))
+        self._free: deque[int] = deque(range(reserved, num_pages))
         self._fence: dict[int, Event] = {}
 
     @property

@@ -13,6 +13,8 @@ from hicache.paged_buffers import DSACacheSpec, PagedDSABuffers
 
 
 class DSAHostPool(PagedDSABuffers):
+    host_tier = True
+
     def __init__(self, spec: DSACacheSpec, num_pages: int, layers: tuple[int, ...] | None = None,
                  pin_memory: bool | None = None) -> None:
         # pinned host memory makes H2D copies asynchronous; pin_memory() needs an accelerator

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from hicache import sanitizer
 from hicache.device_pool import DSADevicePool
 from hicache.host_pool import DSAHostPool
 from hicache.streams import Event, Runtime, Stream
@@ -43,7 +44,6 @@ class LayerLoad:
     indexer_ready: dict[int, Event]
     kv_ready: dict[int, Event]
     unsafe_skip: frozenset[str] = frozenset()
-    staging: list[torch.Tensor] = field(default_factory=list)  # kept alive until the copies completed
     bytes_copied: int = 0  # host -> device bytes moved so far (written by the load stream)
 
     def wait_indexer(self, layer: int, stream: Stream) -> None:
@@ -98,7 +98,10 @@ class LayerwiseLoader:
         load = LayerLoad(self.host_pool.layers, list(host_pages), list(device_pages), {}, {}, self.unsafe_skip)
         self.stream.submit(ids.stage, name="stage")  # page ids reach the device once, on this stream
         if poison is not None:
-            self.stream.submit(lambda: self.device_pool.fill_pages(ids.dst, poison), name="poison")
+            with sanitizer.host_work():
+                poisoned = torch.tensor(device_pages, dtype=torch.int64)
+            self.stream.submit(lambda: self.device_pool.fill_pages(poisoned.to(self.device_pool.device), poison),
+                               name="poison")
         for layer in self.host_pool.layers:
             parts = ("index", "kv") if self.host_pool.spec.has_indexer(layer) else ("kv",)
             for part in parts:
@@ -111,17 +114,14 @@ class LayerwiseLoader:
 
     def _copy(self, load: LayerLoad, ids: PageIds, layer: int, part: str):
         def run() -> None:
-            staged = copy_layer_part(self.host_pool, self.device_pool, ids, layer, part)
-            load.bytes_copied += staged[0].numel()
-            load.staging.extend(staged)
+            load.bytes_copied += copy_layer_part(self.host_pool, self.device_pool, ids, layer, part)
         return run
 
     def reclaim(self) -> int:
-        """Release the host pages (and staging buffers) of finished loads; returns how many finished."""
+        """Release the host pages of finished loads; returns how many finished."""
         finished = [load for load in self._inflight if load.done()]
         for load in finished:
             self.host_pool.allocator.free(load.host_pages)
-            load.staging.clear()
             self._inflight.remove(load)
         return len(finished)
 

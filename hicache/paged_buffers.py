@@ -53,6 +53,8 @@ class DSACacheSpec:
 
 
 class PagedDSABuffers:
+    host_tier = False  # host memory (the host pool): copies to or from it are DMA, page runs at a time
+
     def __init__(self, spec: DSACacheSpec, num_pages: int, device: torch.device | str,
                  layers: tuple[int, ...] | None = None, pin_memory: bool = False) -> None:
         self.spec = spec

@@ -20,8 +20,6 @@ import heapq
 import itertools
 from dataclasses import dataclass, field
 
-import torch
-
 from dsa_kernels.layout import PAGE_SIZE
 from hicache.allocator import OutOfPages
 from hicache.device_pool import DSADevicePool
@@ -183,11 +181,10 @@ class PrefixIndex:
             stream.wait_event(after)  # hazard: the forward that wrote these pages must finish first
         ids = PageIds(self.device_pool, node.device_pages, self.host_pool, node.host_pages)
         stream.submit(ids.stage, name="stage")  # page ids reach the device once, on this stream
-        staging: list[torch.Tensor] = []
         for layer in self.host_pool.layers:
             for part in ("index", "kv") if self.host_pool.spec.has_indexer(layer) else ("kv",):
-                stream.submit(lambda layer=layer, part=part: staging.extend(
-                    copy_layer_part(self.device_pool, self.host_pool, ids, layer, part)), name=f"d2h-{part}[{layer}]")
+                stream.submit(lambda layer=layer, part=part: copy_layer_part(self.device_pool, self.host_pool, ids, layer, part),
+                              name=f"d2h-{part}[{layer}]")
         event = self.rt.event()
         event.record(stream)
         return event

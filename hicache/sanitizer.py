@@ -29,7 +29,7 @@ index selects along dim 0 (``pages[ids]``, ``index_put_``, ``index_select``, ``i
 page copies touch only their pages. When a storage dies (a finalizer on it: CPU has no allocator
 hooks) its history is dropped and the **caching allocator's stream-bound reuse** is checked: CUDA
 hands a freed block to the next allocation on the stream that allocated it at once, so every
-access by another stream must be ordered before the free, or declared with :func:`record_stream`.
+access by another stream must be ordered before the free, or declared with ``stream.record_stream(t)``.
 
 What is reused from PyTorch's CUDA sanitizer (``torch.cuda._sanitizer``): ``StreamSynchronizations``
 holds the vector clocks (record / wait / ordered-after) and ``zip_arguments`` with the schemas'
@@ -171,8 +171,8 @@ def _index_rows(func, args: tuple) -> tuple[torch.Tensor, list[int]] | None:
     self, index = args[0], args[pos]
     if pos == 2 and args[1] != 0:  # index_select / index_copy_ along another dim
         return None
-    if isinstance(index, (list, tuple)):
-        if len(index) != 1 or index[0] is None:
+    if isinstance(index, (list, tuple)):  # advanced indexing: the first index picks the rows of dim 0
+        if not index or index[0] is None:
             return None
         index = index[0]
     if not isinstance(index, torch.Tensor) or index.dtype in (torch.bool, torch.uint8) or self.dim() == 0:
@@ -326,9 +326,8 @@ class Sanitizer:
 
     def record_stream(self, tensor: torch.Tensor, stream) -> None:
         with self._lock:
-            hist = self._storages.get(tensor.untyped_storage().data_ptr())
-            if hist is not None:
-                hist.recorded.add(self.stream_agent(stream))
+            if tensor.untyped_storage().data_ptr():
+                self._history(tensor.untyped_storage())[1].recorded.add(self.stream_agent(stream))
 
     # accesses ------------------------------------------------------------------------------------
     def parse_inputs(self, func, args, kwargs) -> list[tuple[torch.Tensor, bool]]:
@@ -541,13 +540,3 @@ def host_work():
 def host_sync(stream) -> None:
     """Declare an implicit host sync on ``stream`` that code relies on (``.item()`` and friends)."""
     stream.synchronize()
-
-
-def record_stream(tensor: torch.Tensor, stream) -> None:
-    """The allocator may reuse ``tensor``'s memory only after ``stream``'s work queued so far:
-    ``Tensor.record_stream`` on CUDA, a declaration to the sanitizer on the emulated runtime."""
-    raw = getattr(stream, "raw", None)
-    if isinstance(raw, torch.cuda.Stream):
-        tensor.record_stream(raw)
-    elif _active is not None:
-        _active.record_stream(tensor, stream)

@@ -160,6 +160,13 @@ class EmulatedStream:
         marker.observed()
         self._raise_pending()
 
+    def record_stream(self, tensor: torch.Tensor) -> None:
+        """``tensor``'s memory is not reused before this stream's work queued so far (CUDA's
+        ``Tensor.record_stream``); emulated, a declaration to the sanitizer."""
+        san = sanitizer.current()
+        if san is not None:
+            san.record_stream(tensor, self)
+
     def close(self) -> None:
         """Finish queued work and stop the worker thread."""
         self._queue.put(None)
@@ -210,6 +217,11 @@ class InlineStream:
         marker = _Marker(self)
         marker.reach()
         marker.observed()
+
+    def record_stream(self, tensor: torch.Tensor) -> None:
+        san = sanitizer.current()
+        if san is not None:
+            san.record_stream(tensor, self)
 
 
 class EmulatedRuntime:
@@ -279,6 +291,9 @@ class CudaStream:
 
     def wait_event(self, event: CudaEvent) -> None:
         self.raw.wait_event(event._event)
+
+    def record_stream(self, tensor: torch.Tensor) -> None:
+        tensor.record_stream(self.raw)
 
     def synchronize(self) -> None:
         self.raw.synchronize()

@@ -90,7 +90,7 @@ class _Batch:
     max_ctx: int
     reference: dict[int, tuple[torch.Tensor, torch.Tensor]]
     outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
-    poisoned: int = 0
+    poison_flags: list = field(default_factory=list)  # per layer, a device bool: NaN seen (no host sync)
     slots: torch.Tensor | None = None
     page_table: torch.Tensor | None = None  # device pages, set on the forward stream
     done: object = None  # event recorded after the batch's forward work
@@ -99,8 +99,8 @@ class _Batch:
 def _indexer_layer(b: _Batch, index_buf: torch.Tensor, page_table: torch.Tensor, topk: int, track_poison: bool) -> None:
     """Lightning indexer + top-k of one layer; leaves the selected cache slots in ``b.slots``."""
     scores = indexer_scores(b.q_index, b.weights, index_buf, page_table, b.req_idx, b.positions, b.max_ctx)
-    if track_poison and torch.isnan(scores).any():
-        b.poisoned += 1
+    if track_poison:  # stays on the device: a host sync here would hide the very race under test
+        b.poison_flags.append(torch.isnan(scores).any())
     b.slots = positions_to_slots(topk_indices(scores, topk), page_table, b.req_idx)
 
 
@@ -108,8 +108,8 @@ def _attention_layer(b: _Batch, kv_buf: torch.Tensor, kv_lora_rank: int, sm_scal
                      track_poison: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Sparse MLA over ``b.slots`` (the last indexer layer's top-k on layers without an indexer)."""
     out, lse = sparse_mla_prefill(b.q_attn, kv_buf, b.slots, sm_scale, kv_lora_rank)
-    if track_poison and torch.isnan(out).any():
-        b.poisoned += 1
+    if track_poison:
+        b.poison_flags.append(torch.isnan(out).any())
     return out, lse
 
 
@@ -133,7 +133,9 @@ class _Harness:
             return delay_rng.uniform(0, self.limits.get(stream, 0.0) * scale)
         self.rt.delay_hook = delay
         batch_pages = cfg.max_requests * cfg.max_prefix_pages
-        self.device = DSADevicePool(spec, batch_pages + 1, self.rt.device)
+        # page 0 is the padding page: padded page-table entries and masked top-k slots read it, so
+        # they never read a page that another batch in flight is loading
+        self.device = DSADevicePool(spec, batch_pages + 1, self.rt.device, padding_page=True)
         self.host = DSAHostPool(spec, batch_pages * (cfg.pipeline_depth + 2))
         self.loader = LayerwiseLoader(self.rt, self.device, self.host, cfg.unsafe_skip)
         self.fwd = self.rt.stream("forward")
@@ -191,7 +193,7 @@ class _Harness:
         load = self.loader.start_loading(host_pages, dev_pages, fences, poison=POISON)
         self.host.allocator.free(host_pages)  # the load holds its own reference until it completes
         remap = dict(zip(host_pages, dev_pages))
-        host_view = host_table.clone().apply_(lambda p: remap.get(p, 0))
+        host_view = host_table.clone().apply_(lambda p: remap.get(p, DSADevicePool.PADDING_PAGE))
         moved = _Batch(batch.req_idx, batch.positions, batch.q_index, batch.weights, batch.q_attn, batch.max_ctx,
                        batch.reference)
 
@@ -240,7 +242,7 @@ class _Harness:
         self.report.outputs_checked += len(b.reference)
         self.report.corrupted_outputs += bad_layers
         self.report.corrupted_requests += len(bad_reqs)
-        self.report.poisoned_reads += b.poisoned
+        self.report.poisoned_reads += int(sum(int(f) for f in b.poison_flags))
 
     def run(self, progress=None) -> StressReport:
         start = time.perf_counter()

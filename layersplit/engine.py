@@ -18,7 +18,6 @@ The owner gathers only the batch's prefix pages (``plan.bcast_pages``) and, when
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 
 import torch
@@ -40,6 +39,10 @@ from layersplit.ownership import plan_ownership
 from layersplit.trace import Tracer
 
 POISON = 0xFF
+# stream edges the teeth tests remove one at a time: the comm stream's wait for compute, record_stream
+# of collective buffers, the owner's wait for its own send before writing the layer, the scratch
+# slot's release, and the load stream's wait for the poison fill
+UNSAFE_EDGES = ("compute_wait", "record_stream", "owner_send", "slot_release", "poison_fence")
 
 
 @dataclass(frozen=True)
@@ -56,6 +59,8 @@ class EngineConfig:
     prefix_seed: int = 1
     hicache_delay_s: float = 0.0  # > 0: prefix rows reload from the host tier with random stalls
     unsafe_skip_coherence: bool = False  # UNSAFE: broadcast without waiting for the HiCache load
+    # UNSAFE, for the sanitizer's teeth tests: drop a stream edge by name (see UNSAFE_EDGES)
+    unsafe_skip_edges: frozenset[str] = frozenset()
     trace: bool = True
 
 
@@ -105,16 +110,28 @@ class RankEngine:
         self.own = plan_ownership(model_cfg.num_layers, cfg.cp, cfg.ownership)
         self.pool = CPPool(cfg.mode, self.spec, cfg.pool_pages, rank, self.own,
                            scratch_pages_for(cfg.max_batch_tokens, cfg.max_requests), runtime.device)
+        bad = set(cfg.unsafe_skip_edges) - set(UNSAFE_EDGES)
+        if bad:
+            raise ValueError(f"unsafe_skip_edges: expected a subset of {UNSAFE_EDGES}, got {sorted(bad)}")
+        self.unsafe = frozenset(cfg.unsafe_skip_edges)
         self.tracer = Tracer(rank, cfg.trace)
-        self.comm = CPComm(runtime, rank, cfg.cp, self.tracer)
+        self.comm = CPComm(runtime, rank, cfg.cp, self.tracer, self.unsafe & {"compute_wait", "record_stream"})
         self.compute = runtime.compute_stream()
+        self._released = {}  # scratch slot -> event recorded on compute after the slot's last read
+        self._waits: list[tuple[str, Event, Event]] = []  # (name, start, end) timing events on compute
 
     # waits: the compute stream waits, the host does not (emulated: the host thread is that stream) --
     def _wait(self, name: str, event: Event | None, layer: int) -> None:
+        """The compute stream waits for ``event``; timed with events on the compute stream (CUDA:
+        GPU time the stream stood still; emulated: the host thread's blocking time)."""
         if event is None:
             return
+        start, end = self.rt.event(enable_timing=True), self.rt.event(enable_timing=True)
         with self.tracer.span(f"wait {name}", layer=layer):
+            start.record(self.compute)
             self.compute.wait_event(event)
+            end.record(self.compute)
+        self._waits.append((name, start, end))
 
     # HiCache: prefix rows reload from this rank's (layer-split) host tier ---------------------------
     def _host_requests(self, plan: BatchPlan) -> list[int]:
@@ -128,12 +145,14 @@ class RankEngine:
         with sanitizer.host_work():  # the host tier is written by the host
             fill_prefix(host, host.layers, plan, self.cfg.prefix_seed, only=host_reqs)
         pages = sorted({p for b in host_reqs for p in plan.pool_pages[b][: -(-plan.requests[b].prefix_len // PAGE_SIZE)]})
-        self.pool.pool.fill_pages(torch.tensor(pages, dtype=torch.int64), POISON)
+        self.pool.pool.fill_pages(torch.tensor(pages, dtype=torch.int64, device=self.rt.device), POISON)
+        poisoned = self.rt.event()  # hazard: the load stream overwrites these pages after the poison
+        poisoned.record(self.compute)
         if self.cfg.hicache_delay_s > 0:
             lim = self.cfg.hicache_delay_s
             rng = torch.Generator().manual_seed(self.cfg.prefix_seed + self.rank)
             self.rt.delay_hook = lambda s, op: float(torch.rand(1, generator=rng)) * lim if s == "load" and op[0] in "ik" else 0.0
-        return host, pages
+        return host, pages, [] if "poison_fence" in self.unsafe else [poisoned]
 
     # broadcasts --------------------------------------------------------------------------------------
     def _issue_bcast(self, layer: int, plan: BatchPlan, load) -> dict[str, Event]:
@@ -146,6 +165,9 @@ class RankEngine:
                          self.pool.pool.kv_pages(layer) if self.pool.holds(layer) else None)
             recv = None if owner == self.rank else self.pool.slot_pages(layer, part)[: plan.n_bcast]
             after = []
+            released = self._released.pop((self.pool.slot_of.get(layer), part), None)
+            if released is not None and "slot_release" not in self.unsafe:
+                after.append(released)  # hazard: the slot's previous layer may still be read
             if load is not None and owner == self.rank and not self.cfg.unsafe_skip_coherence:
                 # hazard: never broadcast rows still loading from host
                 after = [(load.indexer_ready if part == "index" else load.kv_ready)[layer]]
@@ -180,6 +202,11 @@ class RankEngine:
         loading = owner_here and load is not None  # this rank's prefix rows of the layer come from host
         self._wait(f"allgather_new[{layer}]", ev_new, layer)
         rows = self._rows(out, plan)
+        if owner_here and "owner_send" not in self.unsafe:
+            # hazard: the new rows land in pages the owner's broadcast may still be sending (the last
+            # prefix page); the send was issued a layer ago, so this wait is normally already met
+            for part, event in bcast.items():
+                self._wait(f"send_{part}[{layer}]", event, layer)
         if spec.has_indexer(layer):
             if loading:  # the load writes whole pages: the new keys go in after it, the indexer reads both
                 self._wait(f"hicache_index[{layer}]", load.indexer_ready[layer], layer)
@@ -197,6 +224,11 @@ class RankEngine:
         with self.tracer.span(f"attention[{layer}]", layer=layer):
             slots = positions_to_slots(state["top"], rb.table, req)
             out_lat, _ = sparse_mla_prefill(p.q_attn, rb.kv, slots, self.model.sm_scale, lat)
+        if not owner_here and self.pool.scratch:  # the slot's last reader: a later layer may refill it
+            for part in bcast:
+                released = self.rt.event()
+                released.record(self.compute)
+                self._released[(self.pool.slot_of[layer], part)] = released
         return self.model.attention_out(layer, h, out_lat)
 
     def prefill(self, requests: list[Request]) -> RankResult:
@@ -214,8 +246,9 @@ class RankEngine:
         host = self._prepare_host(plan, host_reqs) if host_reqs else None
         loc = plan.local[self.rank]
         pos, req = plan.new_pos[loc], plan.new_req[loc]
-        start = time.perf_counter()  # timed from here: host-tier reloads included
-        load = LayerwiseLoader(self.rt, self.pool.pool, host[0]).start_loading(host[1], host[1]) if host else None
+        start, end = self.rt.event(enable_timing=True), self.rt.event(enable_timing=True)
+        start.record(self.compute)  # timed from here on the compute stream: host-tier reloads included
+        load = LayerwiseLoader(self.rt, self.pool.pool, host[0]).start_loading(host[1], host[1], host[2]) if host else None
         h = self.model.embed_tokens(plan.new_tokens[loc])
         bcast, state = self._issue_bcast(0, plan, load), {}
         for layer in range(self.spec.num_layers):
@@ -225,12 +258,14 @@ class RankEngine:
             with self.tracer.span(f"mlp[{layer}]", layer=layer):
                 h = self.model.mlp(layer, h)
         h = self.model.final_norm(h)
+        end.record(self.compute)
         self.comm.stream.synchronize()
         if load is not None:
             load.kv_ready[self.pool.pool.layers[-1]].synchronize()
-        seconds = time.perf_counter() - start
+        end.synchronize()
+        seconds = start.elapsed_time(end) / 1e3
         for b in range(len(requests)):
             self.pool.pool.allocator.free(plan.pool_pages[b])
-        waits = sum(e["dur"] for e in self.tracer.events if e["name"].startswith("wait bcast")) / 1e6
+        waits = sum(s.elapsed_time(e) for name, s, e in self._waits if name.startswith("bcast")) / 1e3
         return RankResult(self.rank, h.cpu(), loc.cpu(), seconds, self.pool.kv_bytes(), dict(self._bcast_bytes),
                           list(self.tracer.events), load.bytes_copied if load else 0, waits)

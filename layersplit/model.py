@@ -29,7 +29,7 @@ def rms_norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
 def rope(x: torch.Tensor, positions: torch.Tensor, base: float = 10000.0) -> torch.Tensor:
     """Rotary embedding (rotate-half) of the last dim of ``x [t, ..., R]`` at ``positions [t]``."""
     half = x.shape[-1] // 2
-    freq = base ** (-torch.arange(half, dtype=torch.float32) / half)
+    freq = base ** (-torch.arange(half, dtype=torch.float32, device=positions.device) / half)
     angle = positions.float()[:, None] * freq[None]  # [t, half]
     shape = (x.shape[0],) + (1,) * (x.dim() - 2) + (half,)
     cos, sin = angle.cos().view(shape), angle.sin().view(shape)
