@@ -22,9 +22,10 @@ class PageAllocator:
     padding and masked top-k entries point there, so they never read a page another batch owns)."""
 
     def __init__(self, num_pages: int, name: str = "pool", reserved: int = 0) -> None:
-        if num_pages < 1 or not 0 <= reserved < num_pages:
-            raise ValueError(f"{name}: expected num_pages >= 1 and 0 <= reserved < num_pages, got "
-                             f"num_pages={num_pages}, reserved={reserved}")
+        if num_pages < 1:
+            raise ValueError(f"{name}: num_pages: expected an integer >= 1, got {num_pages}")
+        if not 0 <= reserved < num_pages:
+            raise ValueError(f"{name}: reserved: expected 0 <= reserved < num_pages ({num_pages}), got {reserved}")
         self.name = name
         self.num_pages = num_pages
         self._refs = [0] * num_pages

@@ -53,3 +53,10 @@ def test_fences_follow_freed_pages_to_their_next_owner():
     again = a.alloc(2)
     assert a.fences(again) == [fence]
     assert a.fences(again) == []  # consumed
+
+
+def test_reserved_padding_page_is_never_handed_out():
+    a = PageAllocator(4, reserved=1)
+    assert sorted(a.alloc(3)) == [1, 2, 3] and a.available == 0
+    with pytest.raises(ValueError, match=r"reserved: expected 0 <= reserved < num_pages \(2\), got 2"):
+        PageAllocator(2, reserved=2)
