@@ -64,12 +64,14 @@ from torch.utils._pytree import tree_flatten
 aten = torch.ops.aten
 _COPIES = {aten.copy_.default, aten._to_copy.default}
 _INDEX_READS = {aten.index.Tensor: 1, aten.index_select.default: 2}  # op -> position of the index
-_INDEX_WRITES = {aten.index_put_.default: 1, aten._index_put_impl_.default: 1, aten.index_copy_.default: 2}
+_INDEX_WRITES = {aten.index_put_.default: 1, aten._index_put_impl_.default: 1, aten.index_copy_.default: 2,
+                 aten.index_fill_.int_Scalar: 2, aten.index_fill_.int_Tensor: 2, aten.index_add_.default: 2}
 _SKIP = {aten.record_stream.default, aten.set_.source_Storage_storage_offset}
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _INTERNAL = (os.path.dirname(torch.__file__), os.path.join(_HERE, "sanitizer.py"), os.path.join(_HERE, "streams.py"),
              os.path.join(_HERE, "device_module.py"), "threading.py", "contextlib.py", "<")
 
+_MAX_HISTORY = 256  # accesses kept per storage before covered ones are dropped regardless
 _HOST_MEMORY: dict[int, weakref.ref] = {}  # storage data_ptr -> the storage, for host (pinned) memory
 _active: "Sanitizer | None" = None
 
@@ -103,16 +105,22 @@ class Site:
 
 @dataclass(frozen=True)
 class Hazard:
-    kind: str  # read-after-write | write-after-read | write-after-write | allocator-reuse
+    """Two unordered accesses. ``kind``: ``read-write`` (one side writes), ``write-write``, or
+    ``allocator-reuse`` (``first`` accessed a block that its allocating stream may reuse, ``second``).
+    The two sites of a conflict are in a canonical order, not the order they happened to run in
+    on this CPU, so the same missing edge gives the same report on every run."""
+
+    kind: str
     first: Site
     second: Site
 
     @property
     def key(self) -> tuple:
-        return (self.kind, self.first.agent, self.first.where, self.second.agent, self.second.where)
+        return (self.kind, self.first, self.second)
 
     def __str__(self) -> str:
-        return f"{self.kind}: {self.second}\n    unordered with the earlier {self.first}"
+        joint = "then reusable by" if self.kind == "allocator-reuse" else "unordered with"
+        return f"{self.kind}: {self.first}\n    {joint} {self.second}"
 
 
 @dataclass
@@ -137,7 +145,7 @@ def _where() -> str:
     frame, sites = sys._getframe(2), []
     while frame is not None and len(sites) < 2:
         name = frame.f_code.co_filename
-        if not name.startswith(_INTERNAL) and not name.endswith(_INTERNAL[3:]):
+        if not name.startswith(_INTERNAL) and not name.endswith(_INTERNAL[3:]) and "site-packages" not in name:
             sites.append(f"{os.path.relpath(name) if name.startswith(os.getcwd()) else name}:{frame.f_lineno} "
                          f"({frame.f_code.co_name})")
         frame = frame.f_back
@@ -224,6 +232,7 @@ class Sanitizer:
         self._storages: dict[int, _History] = {}
         self._freed: list[tuple[int, _History, dict[int, int]]] = []
         self._inline: set[int] = set()  # compute streams executed by the host thread
+        self._active: set[int] = set()  # agents that accessed memory
 
     # agents -------------------------------------------------------------------------------------
     def _new_agent(self, name: str) -> int:
@@ -353,6 +362,7 @@ class Sanitizer:
         with self._lock:
             self._drain_freed()
             agent, state, seq, host_half = self._agent_for(func, inputs)
+            self._active.add(agent)
             op, where = func._schema.name, _where()
             self.ops_checked += 1
             for t in fresh:
@@ -417,19 +427,27 @@ class Sanitizer:
         for prev in hist.accesses:
             overlap = prev.start < acc.end and acc.start < prev.end
             if overlap and prev.agent != acc.agent and (acc.write or prev.write) and prev.seq > state.get(prev.agent, 0):
-                kind = ("write-after-write" if prev.write and acc.write else
-                        "read-after-write" if prev.write else "write-after-read")
-                self._report(kind, prev, acc)
+                self._report("write-write" if prev.write and acc.write else "read-write", prev, acc)
             covered = prev.start >= acc.start and prev.end <= acc.end
-            if covered and (acc.write or (prev.agent == acc.agent and not prev.write)):
-                continue  # superseded: a later conflict with it also conflicts with ``acc``
+            if covered and (self._settled(prev) if acc.write else prev.agent == acc.agent and not prev.write):
+                continue  # no later access can conflict with it without also conflicting with ``acc``
             keep.append(prev)
         keep.append(acc)
+        if len(keep) > _MAX_HISTORY:  # bound the bookkeeping: drop what a later access has covered
+            keep = [p for p in keep[:-1] if not (p.start >= acc.start and p.end <= acc.end)] + [acc]
         hist.accesses = keep
 
+    def _settled(self, prev: _Access) -> bool:
+        """Every agent that has accessed memory is ordered after ``prev``: keeping it would only
+        name a second, earlier site for a conflict that is reported anyway. (Dropping an unsettled
+        record instead would make the reported sites depend on how the threads interleaved.)"""
+        return all(self._state(a).get(prev.agent, 0) >= prev.seq for a in self._active if a != prev.agent)
+
     def _report(self, kind: str, prev: _Access, acc: _Access) -> None:
-        hazard = Hazard(kind, Site(self._names[prev.agent], prev.op, prev.write, prev.where),
-                        Site(self._names[acc.agent], acc.op, acc.write, acc.where))
+        sites = [Site(self._names[a.agent], a.op, a.write, a.where) for a in (prev, acc)]
+        if kind != "allocator-reuse":
+            sites.sort(key=lambda site: (site.agent, site.where, site.op, site.write))
+        hazard = Hazard(kind, *sites)
         if hazard.key not in self._seen:
             self._seen.add(hazard.key)
             self.hazards.append(hazard)
