@@ -19,7 +19,8 @@ class DSAHostPool(PagedDSABuffers):
                  pin_memory: bool | None = None) -> None:
         # pinned host memory makes H2D copies asynchronous; pin_memory() needs an accelerator
         pin = torch.cuda.is_available() if pin_memory is None else pin_memory
-        super().__init__(spec, num_pages, "cpu", layers, pin_memory=pin)
+        with sanitizer.host_work():  # host memory, made by the host
+            super().__init__(spec, num_pages, "cpu", layers, pin_memory=pin)
         self.pinned = pin
         sanitizer.mark_host_memory(*self.kv.values(), *self.index.values())
         self.allocator = PageAllocator(num_pages, name="host pool")

@@ -39,10 +39,10 @@ from layersplit.ownership import plan_ownership
 from layersplit.trace import Tracer
 
 POISON = 0xFF
-# stream edges the teeth tests remove one at a time: the comm stream's wait for compute, record_stream
-# of collective buffers, the owner's wait for its own send before writing the layer, the scratch
-# slot's release, and the load stream's wait for the poison fill
-UNSAFE_EDGES = ("compute_wait", "record_stream", "owner_send", "slot_release", "poison_fence")
+# stream edges the teeth tests remove: the comm stream's wait for compute at issue, record_stream of
+# collective buffers, the scratch slot's release event (the issue-time wait also covers it: the
+# teeth test removes both), and the load stream's wait for the poison fill
+UNSAFE_EDGES = ("compute_wait", "record_stream", "slot_release", "poison_fence")
 
 
 @dataclass(frozen=True)
@@ -202,11 +202,9 @@ class RankEngine:
         loading = owner_here and load is not None  # this rank's prefix rows of the layer come from host
         self._wait(f"allgather_new[{layer}]", ev_new, layer)
         rows = self._rows(out, plan)
-        if owner_here and "owner_send" not in self.unsafe:
-            # hazard: the new rows land in pages the owner's broadcast may still be sending (the last
-            # prefix page); the send was issued a layer ago, so this wait is normally already met
-            for part, event in bcast.items():
-                self._wait(f"send_{part}[{layer}]", event, layer)
+        # (the owner's new rows land in a page its broadcast of this layer also sends, the last prefix
+        # page: that send precedes this layer's all-gather on the FIFO comm stream, and compute waited
+        # for the all-gather above, so the write cannot overtake the send)
         if spec.has_indexer(layer):
             if loading:  # the load writes whole pages: the new keys go in after it, the indexer reads both
                 self._wait(f"hicache_index[{layer}]", load.indexer_ready[layer], layer)
