@@ -45,14 +45,15 @@ def sglang_scratch_tokens() -> int:
     return value
 
 
-SGLANG_UNSAFE_SKIPS = ("index_wait", "slot_wait", "load_wait")
+SGLANG_UNSAFE_SKIPS = ("index_wait", "slot_wait", "load_wait", "index_fallback")
 
 
 def sglang_unsafe_skip() -> frozenset[str]:
     """``LAYERSPLIT_SGLANG_UNSAFE_SKIP``: comma list of waits the plug-in leaves out, **for stress tests
     only** (``index_wait``: the indexer reads HiCache-loaded index keys without waiting for them;
     ``slot_wait``: the plug-in pool uses a staging slot without waiting for its broadcast;
-    ``load_wait``: the plug-in pool broadcasts a layer without waiting for its HiCache load)."""
+    ``load_wait``: the plug-in pool broadcasts a layer without waiting for its HiCache load;
+    ``index_fallback``: when upstream's load loop runs, the indexer-ready event is left unrecorded)."""
     raw = os.environ.get("LAYERSPLIT_SGLANG_UNSAFE_SKIP", "")
     values = frozenset(v.strip().lower() for v in raw.split(",") if v.strip())
     bad = sorted(values - set(SGLANG_UNSAFE_SKIPS))

@@ -14,6 +14,7 @@ import threading
 from contextlib import contextmanager
 from typing import Callable
 
+from hicache import sanitizer
 from hicache.streams import EmulatedEvent, EmulatedRuntime, EmulatedStream
 
 
@@ -67,6 +68,8 @@ class EmulatedDeviceModule:
         self._local = threading.local()
         self._count = 0
         self._lock = threading.Lock()
+        # for the sanitizer: a host thread's plain torch ops are kernels on its current stream (CUDA)
+        sanitizer.follow_current_stream(lambda: self.current_stream().raw)
 
     def Stream(self, *_, **__) -> DeviceStream:  # noqa: N802 - torch.cuda's spelling
         with self._lock:
@@ -98,4 +101,5 @@ class EmulatedDeviceModule:
             stream.synchronize()
 
     def close(self) -> None:
+        sanitizer.follow_current_stream(None)
         self.runtime.close()

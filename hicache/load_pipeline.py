@@ -25,11 +25,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from hicache import sanitizer
 from hicache.device_pool import DSADevicePool
 from hicache.host_pool import DSAHostPool
 from hicache.streams import Event, Runtime, Stream
-from hicache.transfer import PageIds, copy_layer_part
+from hicache.transfer import PageIds, copy_layer_part, host_ids
 
 UNSAFE_CHOICES = ("indexer", "kv", "fence")
 
@@ -98,10 +97,9 @@ class LayerwiseLoader:
         load = LayerLoad(self.host_pool.layers, list(host_pages), list(device_pages), {}, {}, self.unsafe_skip)
         self.stream.submit(ids.stage, name="stage")  # page ids reach the device once, on this stream
         if poison is not None:
-            with sanitizer.host_work():
-                poisoned = torch.tensor(device_pages, dtype=torch.int64)
-            self.stream.submit(lambda: self.device_pool.fill_pages(poisoned.to(self.device_pool.device), poison),
-                               name="poison")
+            poisoned = host_ids(device_pages, self.device_pool.device)
+            self.stream.submit(lambda: self.device_pool.fill_pages(
+                poisoned.to(self.device_pool.device, non_blocking=True), poison), name="poison")
         for layer in self.host_pool.layers:
             parts = ("index", "kv") if self.host_pool.spec.has_indexer(layer) else ("kv",)
             for part in parts:

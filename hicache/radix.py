@@ -192,7 +192,11 @@ class PrefixIndex:
     def evict_device(self, num_pages: int, after: Event | None = None) -> int:
         """Move least-recently-used unlocked device leaves to host (or drop them without a host
         tier) until ``num_pages`` device pages are scheduled to be freed; returns that count.
-        ``after``: event of the last stream work that wrote or read those pages."""
+        ``after``: event of the last stream work that wrote or read those pages (default: the compute
+        stream's work queued so far)."""
+        if after is None:  # hazard: forward work already queued may still read or write these pages
+            after = self.rt.event()
+            after.record(self.rt.compute_stream())
         heap = [(n.last_access, id(n), n) for n in self._nodes() if self._device_leaf(n)]
         heapq.heapify(heap)
         freed = 0

@@ -63,7 +63,8 @@ from torch.utils._pytree import tree_flatten
 
 aten = torch.ops.aten
 _COPIES = {aten.copy_.default, aten._to_copy.default}
-_INDEX_READS = {aten.index.Tensor: 1, aten.index_select.default: 2}  # op -> position of the index
+_INDEX_READS = {aten.index.Tensor: 1, aten.index.Tensor_out: 1, aten.index_select.default: 2,
+                aten.index_select.out: 2}  # op -> position of the index
 _INDEX_WRITES = {aten.index_put_.default: 1, aten._index_put_impl_.default: 1, aten.index_copy_.default: 2,
                  aten.index_fill_.int_Scalar: 2, aten.index_fill_.int_Tensor: 2, aten.index_add_.default: 2}
 _SKIP = {aten.record_stream.default, aten.set_.source_Storage_storage_offset}
@@ -74,6 +75,14 @@ _INTERNAL = (os.path.dirname(torch.__file__), os.path.join(_HERE, "sanitizer.py"
 _MAX_HISTORY = 256  # accesses kept per storage before covered ones are dropped regardless
 _HOST_MEMORY: dict[int, weakref.ref] = {}  # storage data_ptr -> the storage, for host (pinned) memory
 _active: "Sanitizer | None" = None
+_CURRENT_STREAM = None  # set by a torch.cuda-shaped device module: the calling host thread's current stream
+
+
+def follow_current_stream(resolver) -> None:
+    """``resolver()``: the emulated stream a host thread's plain torch ops belong to (a device
+    module's current stream), or None; ``None`` unsets it."""
+    global _CURRENT_STREAM
+    _CURRENT_STREAM = resolver
 
 
 def mark_host_memory(*tensors: torch.Tensor) -> None:
@@ -210,11 +219,12 @@ class _Mode(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if _active is not self.san or func in _SKIP:
+        if _active is not self.san or func in _SKIP or getattr(self.san._tls, "opaque", False):
             return func(*args, **kwargs)
-        inputs = self.san.parse_inputs(func, args, kwargs)
-        out = func(*args, **kwargs)
-        self.san.on_op(func, args, inputs, out)
+        with self.san.host_op_in_stream_order():
+            inputs = self.san.parse_inputs(func, args, kwargs)
+            out = func(*args, **kwargs)
+            self.san.on_op(func, args, inputs, out)
         return out
 
 
@@ -306,6 +316,27 @@ class Sanitizer:
             self._tls.stream, self._tls.submit = previous
 
     @contextmanager
+    def host_op_in_stream_order(self):
+        """Under a ``torch.cuda``-shaped device module (:func:`follow_current_stream`), a plain torch
+        op of a host thread is a kernel on that thread's current stream, as on CUDA: the stream is
+        drained first (its queued ops run before it) and the op is that stream's."""
+        stream = None
+        if _CURRENT_STREAM is not None and getattr(self._tls, "stream", None) is None \
+                and not getattr(self._tls, "worker", False):
+            stream = _CURRENT_STREAM()
+        if stream is None:
+            yield
+            return
+        stream._drain()
+        agent = self.stream_agent(stream)
+        self._tls.stream, self._tls.submit = agent, None
+        self._inline.add(agent)
+        try:
+            yield
+        finally:
+            self._tls.stream = None
+
+    @contextmanager
     def as_host(self):
         previous = getattr(self._tls, "stream", None), getattr(self._tls, "submit", None)
         self._tls.stream, self._tls.submit = None, None
@@ -332,6 +363,17 @@ class Sanitizer:
         if snap is not None:
             with self._lock:
                 self.sync.stream_wait_for_event(self.host_agent(), snap)
+
+    def declare(self, name: str, reads, writes) -> None:
+        """One opaque op's accesses: ``reads`` / ``writes`` are ``(tensor, rows or None)``."""
+        with self.host_op_in_stream_order():
+            with self._lock:
+                self._drain_freed()
+                agent, state, seq, _ = self._agent_for(None, [(t, w) for t, w in ((r[0], False) for r in reads)])
+                self._active.add(agent)
+                where = _where()
+                for (t, rows), write in [*((r, False) for r in reads), *((w, True) for w in writes)]:
+                    self._access(t, rows, _Access(0, 0, agent, seq, write, name, where), state)
 
     def record_stream(self, tensor: torch.Tensor, stream) -> None:
         with self._lock:
@@ -377,7 +419,7 @@ class Sanitizer:
             storages = [(t.untyped_storage().data_ptr(), t.untyped_storage()) for t, _ in inputs]
             host = [_is_host(k, s) for k, s in storages]
             submit = getattr(self._tls, "submit", None)
-            dma = func in _COPIES and (func is aten._to_copy.default or not all(host))
+            dma = func is not None and func in _COPIES and (func is aten._to_copy.default or not all(host))
             if any(host) and not dma:  # a host half: runs at submit time, with the host's clock then
                 if submit is None:  # inline compute stream: the host runs it now
                     agent = self.host_agent()
@@ -553,6 +595,23 @@ def host_work():
         return
     with san.as_host():
         yield
+
+
+@contextmanager
+def opaque(name: str, reads=(), writes=()):
+    """An op whose tensor accesses the dispatch mode cannot see as they are on a GPU (a Triton kernel
+    under the interpreter copies whole tensors in and out): its ``reads`` and ``writes``
+    (``(tensor, rows along dim 0 or None)``) are declared instead, and the ops inside are ignored."""
+    san = _active
+    if san is None:
+        yield
+        return
+    san.declare(name, reads, writes)
+    san._tls.opaque = True
+    try:
+        yield
+    finally:
+        san._tls.opaque = False
 
 
 def host_sync(stream) -> None:

@@ -132,6 +132,12 @@ class EmulatedStream:
     def _record(self, marker: _Marker) -> None:
         self._put(marker.reach, "record")
 
+    def _drain(self) -> None:
+        """Block until everything queued so far ran (no happens-before edge: the sanitizer's own use)."""
+        done = threading.Event()
+        self._queue.put(done.set)
+        done.wait()
+
     def _raise_pending(self) -> None:
         if self._error is not None:
             exc, self._error = self._error, None

@@ -60,13 +60,18 @@ class PageIds:
         self._devices = (src.device, dst.device)
         self.src = self.dst = None
         if not self.cross_tier:
-            with sanitizer.host_work():  # built by the host, read by the copying stream
-                self.src = torch.tensor(src_pages, dtype=torch.int64)
-                self.dst = torch.tensor(dst_pages, dtype=torch.int64)
+            self.src, self.dst = host_ids(src_pages, src.device), host_ids(dst_pages, dst.device)
 
     def stage(self) -> None:
-        if self.src is not None:
-            self.src, self.dst = self.src.to(self._devices[0]), self.dst.to(self._devices[1])
+        if self.src is not None:  # asynchronous from pinned memory; this object keeps the host copies alive
+            self.src, self.dst = (x.to(d, non_blocking=True) for x, d in zip((self.src, self.dst), self._devices))
+
+
+def host_ids(values: list[int], device: torch.device) -> torch.Tensor:
+    """Page ids built by the host for a copy to ``device`` (pinned for a CUDA device, so the copy
+    is asynchronous instead of a host sync on the copying stream)."""
+    with sanitizer.host_work():  # built by the host, read by the copying stream
+        return torch.tensor(values, dtype=torch.int64, pin_memory=torch.device(device).type == "cuda")
 
 
 def copy_layer_part(src: PagedDSABuffers, dst: PagedDSABuffers, ids: PageIds, layer: int, part: str) -> int:

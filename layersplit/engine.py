@@ -238,6 +238,7 @@ class RankEngine:
 
     def _prefill(self, requests: list[Request], plan: BatchPlan) -> RankResult:
         self._bcast_bytes: dict[int, int] = {}
+        self._waits, self._released = [], {}
         host_reqs = self._host_requests(plan)
         device_reqs = [b for b in range(len(requests)) if b not in host_reqs]
         fill_prefix(self.pool.pool, self.pool.pool.layers, plan, self.cfg.prefix_seed, only=device_reqs)

@@ -47,12 +47,23 @@ def make_counter_class(base: type | None = None, loading_base: type | None = Non
         def __init__(self, num_layers: int):
             super().__init__(num_layers)
             self.index_events = [module.device_module.Event() for _ in range(num_layers)]
+            self._index_recorded = [False] * num_layers  # by complete_index since the layer's last complete
             self.unsafe_skip = envs.sglang_unsafe_skip()
 
         def complete_index(self, layer_index: int) -> None:
             """Recorded on the load stream after the layer's indexer-key copy was queued."""
             assert 0 <= layer_index < self._num_layers
             self.index_events[layer_index].record()
+            self._index_recorded[layer_index] = True
+
+        def complete(self, layer_index: int) -> None:
+            """The whole layer is loaded. Where no indexer-first copy recorded the indexer-ready event
+            for this load (upstream's loop ran: no indexer transfer, or a plain counter upstream), it
+            is recorded here too: a wait on an event never recorded would return at once."""
+            super().complete(layer_index)
+            if not self._index_recorded[layer_index] and "index_fallback" not in self.unsafe_skip:
+                self.index_events[layer_index].record()
+            self._index_recorded[layer_index] = False
 
         def wait_index(self, layer_index: int) -> None:
             if "index_wait" in self.unsafe_skip:  # UNSAFE: stress tests only

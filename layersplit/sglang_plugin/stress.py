@@ -40,10 +40,12 @@ import os
 import random
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import SimpleNamespace
 
 import torch
+
+from hicache import sanitizer
 
 POISON = 0xA5
 # a small GLM-5-geometry pool: 5 layers, 512 tokens of 64-token pages (latent 512 + rope 64 in bf16,
@@ -83,6 +85,16 @@ def write_prefix(pool, layers: int = LAYERS, seed: int = 1) -> None:
         pool.set_index_k_scale_buffer(i, loc, keys, torch.rand(loc.numel(), 1, generator=g))
 
 
+def _index_store_target(pool, layer: int, loc: torch.Tensor) -> list:
+    """Where upstream's index-key store kernel writes: the pages of ``loc`` in the layer's buffer (on
+    the owner; a layer-split non-owner stores nothing). For the sanitizer: under the Triton
+    interpreter the kernel copies the whole buffer in and out, on a GPU it writes these pages."""
+    cache = getattr(pool, "index_key_cache", None)
+    if cache is None or not getattr(pool, "_is_layer_owned", lambda _: True)(layer):
+        return []
+    return [(cache.buffer[layer - getattr(pool, "start_layer", 0)], sorted(set((loc // PAGE).tolist())))]
+
+
 def forward_layers(pool, seed: int, launch=None, layers: int = LAYERS) -> list[list]:
     """The model's order on one CP rank: per layer, store + read the new indexer keys, write + read the
     new KV rows, prefetch the next layer. Returns what each layer read ([index buffer, KV buffer]);
@@ -100,7 +112,10 @@ def forward_layers(pool, seed: int, launch=None, layers: int = LAYERS) -> list[l
     for i in range(layers):
         reads.append([None, None])
         keys = torch.randint(0, 255, (loc.numel(), 128), dtype=torch.uint8, generator=g).view(torch.float8_e4m3fn)
-        pool.set_index_k_scale_buffer(i, loc, keys, torch.rand(loc.numel(), 1, generator=g))
+        scales = torch.rand(loc.numel(), 1, generator=g)
+        with sanitizer.opaque("SetKAndS (Triton)", reads=[(keys, None), (scales, None)],
+                              writes=_index_store_target(pool, i, loc)):
+            pool.set_index_k_scale_buffer(i, loc, keys, scales)
         read_index = getattr(pool, "get_broadcastable_index_k_with_scale_buffer", pool.get_index_k_with_scale_buffer)
         take(i, 0, read_index(i), "indexer")
         pool.set_mla_kv_buffer(_layer(i), loc, torch.randn(loc.numel(), 1, 512, generator=g).to(torch.bfloat16),
@@ -123,6 +138,8 @@ class StressResult:
     stale_kv_reads: int
     early_index_reads: int
     seconds: float
+    sanitizer_hazards: int | None = None  # distinct stream-ordering hazards (None: not sanitized)
+    sanitizer_hazard_list: list[str] = field(default_factory=list)
 
 
 def _direct_copy(src_layers, dst_layers, src_indices, dst_indices, page_size=1):
@@ -186,8 +203,20 @@ def _emulated_sglang(device_module):
 
 
 def run(iterations: int = 40, layers: int = 4, seed: int = 0, unsafe_skip=(), max_stall_s: float = 0.002,
-        pages_per_iteration: int = 3, upstream: bool = False) -> StressResult:
-    """``upstream=True`` runs SGLang's own counter and engine (one event per layer) for comparison."""
+        pages_per_iteration: int = 3, upstream: bool = False, fallback: bool = False,
+        sanitize: bool = False) -> StressResult:
+    """``upstream=True`` runs SGLang's own counter and engine (one event per layer) for comparison;
+    ``fallback=True`` our counter with upstream's engine loop (what runs when the indexer-first copy
+    does not apply): the indexer's wait must then still follow the layer's load. ``sanitize``: under
+    the stream-ordering sanitizer (:mod:`hicache.sanitizer`), the result lists what it found."""
+    if sanitize:
+        from hicache import sanitizer
+
+        with sanitizer.sanitized() as san:
+            result = run(iterations, layers, seed, unsafe_skip, max_stall_s, pages_per_iteration, upstream, fallback)
+        result.sanitizer_hazards = len(san.hazards)
+        result.sanitizer_hazard_list = [str(h) for h in san.hazards]
+        return result
     from hicache.device_module import EmulatedDeviceModule
     from layersplit.sglang_plugin import compat, hicache
     from sglang.srt.mem_cache.l2_transfer import L2Transfer
@@ -198,7 +227,7 @@ def run(iterations: int = 40, layers: int = 4, seed: int = 0, unsafe_skip=(), ma
     gen = torch.Generator().manual_seed(seed)
     dm = EmulatedDeviceModule()
     dm.runtime.delay_hook = lambda stream, op: rng.uniform(0, max_stall_s) if op.startswith("h2d") else 0.0
-    result = StressResult("upstream" if upstream else "layersplit", iterations, layers, sorted(unsafe_skip), 0, 0, 0, 0, 0, 0.0)
+    result = StressResult("upstream" if upstream else "fallback" if fallback else "layersplit", iterations, layers, sorted(unsafe_skip), 0, 0, 0, 0, 0, 0.0)
     lock = threading.Lock()
     start = time.perf_counter()
     try:
@@ -208,12 +237,8 @@ def run(iterations: int = 40, layers: int = 4, seed: int = 0, unsafe_skip=(), ma
             anchor = SimpleNamespace(page_size=page, layout="layer_first", size=size, page_num=size // page)
             host_index = DSAIndexerPoolHost(make_dsa_indexer_pool_decl(device), anchor, pin_memory=False)
             host_kv = HostKV(layers, size, 576, torch.bfloat16)
-            if upstream:
-                counter = compat.resolve("layer_done_counter")(layers)
-                engine = compat.resolve("l2_transfer_engine")("direct")
-            else:
-                counter = hicache.make_counter_class()(layers)
-                engine = hicache.make_engine_class()("direct")
+            counter = (compat.resolve("layer_done_counter") if upstream else hicache.make_counter_class())(layers)
+            engine = (compat.resolve("l2_transfer_engine") if upstream or fallback else hicache.make_engine_class())("direct")
             device.register_layer_transfer_counter(counter)  # as SGLang's pool assembler does
             get_local_buffer = compat.resolve("index_key_cache").get_local_buffer
             forward = dm.current_stream()
@@ -240,7 +265,7 @@ def run(iterations: int = 40, layers: int = 4, seed: int = 0, unsafe_skip=(), ma
                 ev.start_event.record()
                 transfers = [L2Transfer(host_kv, device, host_rows, dev_rows),
                              L2Transfer(host_index, device, host_rows, dev_rows)]
-                if upstream:  # its loop calls the host pools directly: queue those calls on the load stream
+                if upstream or fallback:  # its loop calls the host pools directly: queue them on the load stream
                     transfers = [t._replace(host_pool=_QueuedHostPool(t.host_pool, dm)) for t in transfers]
                 engine.submit_host_to_device(transfers, transfer_layer_id_max=layers, start_event=ev.start_event,
                                              on_layer_done=ev.complete)
@@ -301,6 +326,8 @@ class PoolStressResult:
     stale_reads: int
     stale_by_rank: list[int]
     seconds: float
+    sanitizer_hazards: int | None = None  # distinct stream-ordering hazards over both ranks (None: not sanitized)
+    sanitizer_hazard_list: list[str] = field(default_factory=list)
 
 
 class _HostLoader:
@@ -324,7 +351,9 @@ class _HostLoader:
         for i in self.owned:  # nothing is in flight: the last batch synchronized every stream
             pool.kv_buffer[i].view(torch.uint8)[self.rows] = POISON
             pool.index_key_cache.buffer[i][self.pages] = POISON
+        loading.start_event.record()  # the poison above runs on the forward stream: the load follows it
         with dm.stream(self.load):
+            self.load.wait_event(loading.start_event)
             for i in range(LAYERS):
                 if i in self.owned:
                     dm.launch(lambda i=i: pool.index_key_cache.buffer[i].index_copy_(0, self.pages, self.host_index[i]),
@@ -350,11 +379,13 @@ class _GlooComm:
         dist.broadcast(tensor, src, group=self.group)
 
 
-def _pool_worker(rank: int, port: int, unsafe: str, iterations: int, seed: int, max_stall_s: float, queue) -> None:
+def _pool_worker(rank: int, port: int, unsafe: str, iterations: int, seed: int, max_stall_s: float, queue,
+                 sanitize: bool = False) -> None:
     if not torch.cuda.is_available():  # upstream stores indexer keys with a Triton kernel: interpret it on CPU
         os.environ.setdefault("TRITON_INTERPRET", "1")
     import torch.distributed as dist
 
+    from hicache import sanitizer
     from hicache.device_module import EmulatedDeviceModule
     from layersplit.sglang_plugin import compat, hicache
     from layersplit.sglang_plugin.pool import make_pool_class
@@ -383,6 +414,7 @@ def _pool_worker(rank: int, port: int, unsafe: str, iterations: int, seed: int, 
         pages = torch.tensor(sorted(set(PREFIX_PAGES + NEW_PAGES)))
         rows = (pages[:, None] * PAGE + torch.arange(PAGE)).flatten()
         stale = checked = 0
+        san = sanitizer.enable() if sanitize else None
         for it in range(iterations):
             with published():
                 want = forward_layers(ref, seed=seed * 100_003 + it)
@@ -395,7 +427,8 @@ def _pool_worker(rank: int, port: int, unsafe: str, iterations: int, seed: int, 
                 checked += 1
                 stale += not (torch.equal(kv[rows].view(torch.uint8), ref_kv[rows].view(torch.uint8))
                               and torch.equal(index[pages], ref_index[pages]))
-        queue.put((rank, (checked, stale), None))
+        hazards = [str(h) for h in sanitizer.disable().hazards] if san is not None else None
+        queue.put((rank, (checked, stale, hazards), None))
     except Exception:
         import traceback
 
@@ -406,8 +439,9 @@ def _pool_worker(rank: int, port: int, unsafe: str, iterations: int, seed: int, 
 
 
 def run_pool(iterations: int = 6, unsafe_skip=(), seed: int = 0, max_stall_s: float = 0.003,
-             timeout_s: float = 600.0) -> PoolStressResult:
-    """Two rank processes over gloo; see the module docstring."""
+             timeout_s: float = 600.0, sanitize: bool = False) -> PoolStressResult:
+    """Two rank processes over gloo; see the module docstring. ``sanitize``: each rank's forward
+    under the stream-ordering sanitizer."""
     import socket
 
     import torch.multiprocessing as mp
@@ -419,7 +453,7 @@ def run_pool(iterations: int = 6, unsafe_skip=(), seed: int = 0, max_stall_s: fl
     queue = ctx.Queue()
     unsafe = ",".join(sorted(unsafe_skip))
     start = time.perf_counter()
-    procs = [ctx.Process(target=_pool_worker, args=(r, port, unsafe, iterations, seed, max_stall_s, queue))
+    procs = [ctx.Process(target=_pool_worker, args=(r, port, unsafe, iterations, seed, max_stall_s, queue, sanitize))
              for r in range(2)]
     for p in procs:
         p.start()
@@ -434,5 +468,7 @@ def run_pool(iterations: int = 6, unsafe_skip=(), seed: int = 0, max_stall_s: fl
     if errors:
         raise RuntimeError("pool stress: a rank failed:\n" + errors[0])
     counts = [c for _, c, _ in results]
-    return PoolStressResult(iterations, LAYERS, sorted(unsafe_skip), sum(c for c, _ in counts),
-                            sum(s for _, s in counts), [s for _, s in counts], time.perf_counter() - start)
+    hazards = sorted({h for _, _, found in counts for h in found or []})
+    return PoolStressResult(iterations, LAYERS, sorted(unsafe_skip), sum(c for c, _, _ in counts),
+                            sum(s for _, s, _ in counts), [s for _, s, _ in counts], time.perf_counter() - start,
+                            len(hazards) if sanitize else None, hazards)

@@ -540,3 +540,33 @@ def test_stress_command_line(capsys, monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "sglang" else real(name, *a))
     with pytest.raises(SystemExit, match="expected sglang to be installed"):
         main(["stress", "sglang-pool", "--iterations", "1"])
+
+
+def test_hicache_adapter_clean_under_the_sanitizer():
+    """SGLang's load path with our counter, under the stream-ordering sanitizer, no stalls: the
+    indexer-first engine and the fallback to upstream's loop (our counter, upstream's engine) leave no
+    unordered access; the fallback without its indexer-ready record, or the indexer without its wait,
+    is reported (the fallback's wait on a never-recorded event returned at once)."""
+    from layersplit.sglang_plugin import stress
+
+    for kw in ({}, {"fallback": True}):
+        clean = stress.run(iterations=6, seed=3, max_stall_s=0.0, sanitize=True, **kw)
+        assert clean.sanitizer_hazards == 0, (kw, clean.sanitizer_hazard_list)
+        assert clean.stale_index_reads == clean.stale_kv_reads == 0
+    for kw, skip in (({"fallback": True}, "index_fallback"), ({}, "index_wait")):
+        caught = stress.run(iterations=6, seed=3, max_stall_s=0.0, sanitize=True, unsafe_skip=(skip,), **kw)
+        assert caught.sanitizer_hazards > 0 and all("read_index" in h for h in caught.sanitizer_hazard_list), skip
+
+
+@pytest.mark.timeout(300)
+def test_pool_clean_under_the_sanitizer():
+    """The plug-in pool's staged broadcasts on two gloo ranks with HiCache reloads, sanitized, no stalls:
+    no unordered access; each unsafe wait is reported even when no stale row happens to be read."""
+    from layersplit.sglang_plugin.stress import run_pool
+
+    safe = run_pool(iterations=3, max_stall_s=0.0, sanitize=True)
+    assert safe.sanitizer_hazards == 0 and safe.stale_reads == 0, safe.sanitizer_hazard_list
+    slot = run_pool(iterations=3, max_stall_s=0.0, sanitize=True, unsafe_skip=("slot_wait",))
+    assert any("c10d::broadcast_" in h and "stream forward" in h for h in slot.sanitizer_hazard_list), slot
+    load = run_pool(iterations=3, max_stall_s=0.0, sanitize=True, unsafe_skip=("load_wait",))
+    assert any("send" in h and "_HostLoader" not in h and "index_copy_" in h for h in load.sanitizer_hazard_list), load
