@@ -71,3 +71,16 @@ def sanitize() -> bool:
     """``LAYERSPLIT_SANITIZE=1`` runs the commands and rank processes under the stream-ordering
     sanitizer (:mod:`hicache.sanitizer`); their JSON then carries ``sanitizer_hazards``."""
     return os.environ.get("LAYERSPLIT_SANITIZE", "0").strip().lower() in ("1", "true", "yes", "on")
+
+
+CP_BACKENDS = ("auto", "nccl", "gloo")
+
+
+def cp_backend() -> str:
+    """``LAYERSPLIT_CP_BACKEND``: auto (default: NCCL on CUDA, gloo on CPU) | nccl | gloo. ``gloo`` on a
+    CUDA machine runs several CP ranks on one GPU (NCCL refuses two ranks per device): the GPU check
+    uses it to exercise the CP path's stream ordering with CUDA tensors on one GPU."""
+    value = os.environ.get("LAYERSPLIT_CP_BACKEND", "auto").strip().lower()
+    if value not in CP_BACKENDS:
+        raise ValueError(f"LAYERSPLIT_CP_BACKEND: expected one of {CP_BACKENDS}, got {value!r}")
+    return value

@@ -9,8 +9,12 @@ Sections (each a function returning a dict; one that raises is recorded as faile
 3. ``hicache_stress``  read-before-ready stress on the streams: 0 corruptions with every wait,
                        corruption detected with a wait skipped (``--unsafe-skip-wait``);
 4. ``hicache_overlap`` layer-wise load pipelined under the forward vs serial (pinned host memory);
-5. ``cp_engine``       the LayerSplit prefill engine on 2 ranks (when the collective backend allows)
-                       and the single-rank reference.
+5. ``cp_engine``       the LayerSplit prefill engine on 2 ranks (on one GPU: over gloo with CUDA
+                       tensors, NCCL refuses two ranks per device) and the single-rank reference;
+6. ``stream_sanitizer`` the HiCache stress and the 2-rank CP engine under PyTorch's CUDA sanitizer
+                       (``TORCH_CUDA_SANITIZER=1``, in a child process), plus the engine with the comm
+                       stream's wait for compute removed, which it must report
+                       (:mod:`layersplit.gpu_check_sanitize`; on the CPU: the emulated-runtime sanitizer).
 
 Modes: ``cuda`` (CUDA present, no ``--dry-run``) uses GLM-5 shapes; ``cpu-dry-run`` uses tiny shapes,
 the Triton interpreter and emulated streams so CI keeps the script working (timings are CPU wall
@@ -45,7 +49,7 @@ BUDGET_S = 450  # default budget: leaves margin inside an 8-minute device slot
 WATCHDOG_GRACE_S = 25  # cuda mode: hard exit this long after the budget, whatever is running
 JSON_NAME, MD_NAME = "gpu_check.json", "gpu_check.md"
 CPU_TIMING_NOTE = "CPU wall time, not representative: the H200 peaks beside it are not comparable"
-CP2_BLOCKED = "NCCL needs one GPU per rank; ran the single-rank reference only"
+SANITIZE_LOADS = {"cuda": 400, "cpu-dry-run": 64}
 
 
 @dataclass(frozen=True)
@@ -82,7 +86,7 @@ CUDA_SHAPES = Shapes(
                   "--repeats", "5"),
     cp_context=4096,
     estimates_s=(("environment", 0), ("kernels", 150), ("hicache_stress", 60), ("hicache_overlap", 45),
-                 ("cp_engine", 40)),
+                 ("cp_engine", 40), ("stream_sanitizer", 90)),
 )
 DRY_SHAPES = Shapes(
     index_tokens=5, index_heads=4, index_dim=64, context=130, attn_tokens=4, attn_heads=4, kv_lora_rank=128,
@@ -92,7 +96,7 @@ DRY_SHAPES = Shapes(
                   "--layers", "4"),
     cp_context=256,
     estimates_s=(("environment", 0), ("kernels", 30), ("hicache_stress", 10), ("hicache_overlap", 5),
-                 ("cp_engine", 20)),
+                 ("cp_engine", 20), ("stream_sanitizer", 30)),
 )
 
 
@@ -343,19 +347,11 @@ def section_overlap(ctx: Context) -> dict:
 
 # 5. CP prefill engine -------------------------------------------------------------------------------
 
-def cp2_blocker() -> str | None:
-    """Why 2 rank processes cannot run here: the launcher picks NCCL whenever CUDA is present, and NCCL
-    refuses two ranks on one GPU."""
-    if torch.cuda.is_available() and torch.cuda.device_count() < 2:
-        return CP2_BLOCKED
-    return None
-
-
 def section_cp_engine(ctx: Context) -> dict:
     """Tiny model, one request with a 90% cached prefix: cp=2 LayerSplit vs the single-rank reference."""
     from layersplit.config import load_model
     from layersplit.engine import EngineConfig
-    from layersplit.launcher import Scenario, run_cp, run_reference
+    from layersplit.launcher import Scenario, cp_backend, run_cp, run_reference
     from layersplit.prefill_cmd import make_requests
 
     model, n = load_model("tiny"), ctx.shapes.cp_context
@@ -366,20 +362,34 @@ def section_cp_engine(ctx: Context) -> dict:
     new = sum(len(r.new_tokens) for r in requests)
     out = {"model": model.name, "context": n, "new_tokens": new,
            "reference": {"seconds": ref.seconds, "tokens_per_s": new / ref.seconds}}
-    blocked = cp2_blocker()
-    if blocked:
-        out["cp2"] = ctx.skip("cp_engine: cp=2", blocked)
-        out["summary"] = f"reference {ref.seconds * 1e3:.1f} ms; cp=2 skipped ({blocked})"
-        return out
-    res = run_cp(model, [scenario], 2, timeout_s=max(30.0, min(300.0, ctx.deadline.left())))[0]
+    one_gpu = torch.cuda.is_available() and torch.cuda.device_count() < 2
+    previous = os.environ.get("LAYERSPLIT_CP_BACKEND")
+    if one_gpu:  # NCCL refuses two ranks on one GPU: gloo moves the CUDA tensors instead
+        os.environ["LAYERSPLIT_CP_BACKEND"] = "gloo"
+    try:
+        res = run_cp(model, [scenario], 2, timeout_s=max(30.0, min(300.0, ctx.deadline.left())))[0]
+        backend = cp_backend()
+    finally:
+        if one_gpu:
+            os.environ.pop("LAYERSPLIT_CP_BACKEND", None) if previous is None else os.environ.update(
+                LAYERSPLIT_CP_BACKEND=previous)
     dev_abs = float((res.hidden - ref.hidden).abs().max())
     rel = dev_abs / float(ref.hidden.abs().max())
     ok = not torch.isnan(res.hidden).any() and rel <= 1e-4  # the CP engine tests' tolerance
     out["cp2"] = {"status": "ok" if ok else "failed", "seconds": res.seconds, "max_abs_deviation": dev_abs,
-                  "max_rel_deviation": rel, "backend": "nccl" if torch.cuda.is_available() else "gloo"}
+                  "max_rel_deviation": rel, "backend": backend}
     out["passed"] = ok
     out["summary"] = (f"cp=2 max abs deviation {dev_abs:.2e} (rel {rel:.1e} <= 1e-4) vs reference; "
                       f"cp=2 {res.seconds * 1e3:.1f} ms, reference {ref.seconds * 1e3:.1f} ms")
+    return out
+
+
+def section_stream_sanitizer(ctx: Context) -> dict:
+    """The HiCache stress and the 2-rank CP engine under a stream sanitizer (CSAN on CUDA)."""
+    from layersplit.gpu_check_sanitize import section
+
+    timeout = max(30.0, min(120.0, ctx.deadline.left() / 4))
+    out = section(ctx.on_cuda, ctx.shapes.cp_context // 4, SANITIZE_LOADS[ctx.mode], timeout)
     return out
 
 
@@ -391,6 +401,7 @@ SECTIONS: tuple[tuple[str, Callable[[Context], dict]], ...] = (
     ("hicache_stress", section_stress),
     ("hicache_overlap", section_overlap),
     ("cp_engine", section_cp_engine),
+    ("stream_sanitizer", section_stream_sanitizer),
 )
 
 

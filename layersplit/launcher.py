@@ -78,8 +78,8 @@ def _run_rank(model: ModelConfig, scenarios: list[Scenario], rank: int) -> list[
 def _worker(rank: int, world: int, port: int, model: ModelConfig, scenarios: list[Scenario], queue) -> None:
     torch.set_num_threads(1)  # N ranks share the machine's cores
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # the ranks talk over loopback
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if backend == "nccl":
+    backend = cp_backend()
+    if torch.cuda.is_available():  # ranks share GPUs round-robin (one GPU: gloo, both ranks on it)
         torch.cuda.set_device(rank % torch.cuda.device_count())
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
@@ -93,6 +93,14 @@ def _worker(rank: int, world: int, port: int, model: ModelConfig, scenarios: lis
         raise
     finally:
         dist.destroy_process_group()
+
+
+def cp_backend() -> str:
+    """The collective backend of the rank processes: ``LAYERSPLIT_CP_BACKEND``, else NCCL on CUDA, gloo on CPU."""
+    from dsa_kernels import envs
+
+    choice = envs.cp_backend()
+    return choice if choice != "auto" else "nccl" if torch.cuda.is_available() else "gloo"
 
 
 def run_cp(model: ModelConfig, scenarios: list[Scenario], cp: int, timeout_s: float = 600) -> list[CPResult]:

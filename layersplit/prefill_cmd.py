@@ -45,7 +45,7 @@ def run_prefill(args: argparse.Namespace) -> int:
     from dsa_kernels.layout import PAGE_SIZE
     from layersplit.config import load_model
     from layersplit.engine import EngineConfig
-    from layersplit.launcher import Scenario, run_cp, run_reference
+    from layersplit.launcher import Scenario, cp_backend, run_cp, run_reference
     from layersplit.trace import write_trace
 
     model = load_model(args.model)
@@ -65,7 +65,7 @@ def run_prefill(args: argparse.Namespace) -> int:
         "kv_bytes_per_rank": [r.kv_bytes for r in result.ranks],
         "bcast_bytes_per_layer": result.ranks[0].bcast_bytes if args.cp > 1 else {},
         "max_abs_deviation_vs_reference": float((result.hidden - reference.hidden).abs().max()),
-        "measured_on": "cuda (nccl)" if torch.cuda.is_available() else "cpu (gloo, emulated streams)",
+        "measured_on": f"cuda ({cp_backend()})" if torch.cuda.is_available() else "cpu (gloo, emulated streams)",
     }
     if result.ranks[0].hazards is not None:  # LAYERSPLIT_SANITIZE=1: every rank and the reference
         hazards = sorted({h for r in [*result.ranks, *reference.ranks] for h in r.hazards})

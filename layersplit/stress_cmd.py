@@ -117,15 +117,20 @@ def _verdict(unsafe: bool, stale: int, what: str) -> int:
 
 def run_sglang_hicache(args: argparse.Namespace) -> int:
     stress = _sglang_stress()
-    result = stress.run(args.iterations, seed=args.seed, upstream=args.upstream,
+    from dsa_kernels import envs
+
+    result = stress.run(args.iterations, seed=args.seed, upstream=args.upstream, sanitize=envs.sanitize(),
                         unsafe_skip=("index_wait",) if args.unsafe_skip_wait else ())
     print(json.dumps(asdict(result)))
-    return _verdict(args.unsafe_skip_wait, result.stale_index_reads + result.stale_kv_reads, "indexer-key")
+    return _verdict(args.unsafe_skip_wait, result.stale_index_reads + result.stale_kv_reads
+                    + (result.sanitizer_hazards or 0), "indexer-key")
 
 
 def run_sglang_pool(args: argparse.Namespace) -> int:
     stress = _sglang_stress()
     unsafe = (f"{args.unsafe_skip_wait}_wait",) if args.unsafe_skip_wait else ()
-    result = stress.run_pool(args.iterations, seed=args.seed, unsafe_skip=unsafe)
+    from dsa_kernels import envs
+
+    result = stress.run_pool(args.iterations, seed=args.seed, unsafe_skip=unsafe, sanitize=envs.sanitize())
     print(json.dumps(asdict(result)))
-    return _verdict(bool(unsafe), result.stale_reads, "layer")
+    return _verdict(bool(unsafe), result.stale_reads + (result.sanitizer_hazards or 0), "layer")

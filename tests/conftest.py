@@ -23,3 +23,14 @@ def backend(request) -> str:
 @pytest.fixture
 def device() -> torch.device:
     return DEVICE
+
+
+@pytest.fixture
+def sanitized():
+    """The test body runs under the stream-ordering sanitizer (:mod:`hicache.sanitizer`); any
+    hazard it reports fails the test."""
+    from hicache import sanitizer
+
+    with sanitizer.sanitized() as san:
+        yield san
+    assert not san.hazards, san.format()

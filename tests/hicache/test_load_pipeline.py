@@ -18,7 +18,7 @@ def gate_stream(stream) -> threading.Event:
     return gate
 
 
-def test_events_per_layer_and_data(rt, pools):
+def test_events_per_layer_and_data(rt, pools, sanitized):
     dev, host = pools
     host_pages = host.allocator.alloc(3)
     fill_random(host, host_pages, seed=1)
@@ -31,7 +31,7 @@ def test_events_per_layer_and_data(rt, pools):
     assert same_pages(host, host_pages, dev, dev_pages)
 
 
-def test_indexer_keys_land_before_kv(rt, pools):
+def test_indexer_keys_land_before_kv(rt, pools, sanitized):
     dev, host = pools
     hp, dp = host.allocator.alloc(2), dev.allocator.alloc(2)
     fill_random(host, hp, seed=2)
@@ -42,7 +42,7 @@ def test_indexer_keys_land_before_kv(rt, pools):
     assert copies == ["index[0]", "kv[0]", "kv[1]", "index[2]", "kv[2]", "kv[3]"]
 
 
-def test_forward_waits_only_for_its_layer(rt, pools):
+def test_forward_waits_only_for_its_layer(rt, pools, sanitized):
     """wait_indexer(l) lets the forward read layer l's keys while later layers still load."""
     dev, host = pools
     hp, dp = host.allocator.alloc(2), dev.allocator.alloc(2)
@@ -59,7 +59,7 @@ def test_forward_waits_only_for_its_layer(rt, pools):
     assert seen == {"index0": True, "kv3": True}
 
 
-def test_host_pages_held_until_load_completes(rt, pools):
+def test_host_pages_held_until_load_completes(rt, pools, sanitized):
     dev, host = pools
     hp, dp = host.allocator.alloc(2), dev.allocator.alloc(2)
     loader = LayerwiseLoader(rt, dev, host)

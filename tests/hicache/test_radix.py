@@ -63,7 +63,7 @@ def test_locked_pages_are_never_evicted(tree):
         tree.unlock(m.last_node)
 
 
-def test_lru_order_and_free_only_after_d2h(rt, tree):
+def test_lru_order_and_free_only_after_d2h(rt, tree, sanitized):
     old = cache(tree, toks(1), seed=1)
     new = cache(tree, toks(2), seed=2)
     tree.match_prefix(toks(2))  # touch [2]: [1] is now least recently used
@@ -91,7 +91,7 @@ def test_host_eviction_and_parents(tree):
     assert tree.match_prefix(toks(1, 2)).host_pages == [] and tree.host_pool.allocator.available == 8
 
 
-def test_load_back_restores_the_bytes(rt, tree):
+def test_load_back_restores_the_bytes(rt, tree, sanitized):
     pages = cache(tree, toks(4, 5, 6), seed=3)
     snapshot = DSADevicePool(SPEC, 3)
     for layer in SPEC.indexer_layers:

@@ -56,6 +56,9 @@ def test_dry_run_every_section_ok(dry_run):
         assert section["status"] == "ok", f"{name}: {section.get('error') or section.get('reason')}"
     cp2 = report["sections"]["cp_engine"]["result"]["cp2"]
     assert cp2["status"] == "ok" and cp2["backend"] == "gloo" and cp2["max_rel_deviation"] <= 1e-4
+    san = report["sections"]["stream_sanitizer"]["result"]
+    assert san["stress"]["hazards"] == 0 and san["engine_cp2"]["hazards"] == 0
+    assert san["engine_cp2_without_compute_wait"]["hazards"] > 0  # the check has teeth
     env = report["sections"]["environment"]["result"]
     assert env["torch"] == torch.__version__ and env["h200_peaks"]["hbm"] == 4.8e12
 
