@@ -14,6 +14,17 @@ Per layer ``l`` (``layersplit`` mode; ``redundant`` skips every broadcast and sc
 Layers without an indexer reuse the last top-k (positions, mapped through this layer's table).
 The owner gathers only the batch's prefix pages (``plan.bcast_pages``) and, when its prefix rows of
 ``l`` are still loading from its host tier, waits for that layer's load events first.
+
+Stream edges (the compute stream is ``rt.compute_stream()``; every one is removable for the
+sanitizer's teeth tests through ``unsafe_skip_edges``):
+
+* every collective waits for the compute work queued before its issue (:mod:`layersplit.comm`), and
+  its buffers are ``record_stream``-ed on the comm stream;
+* a scratch slot is refilled only after the compute stream recorded its *released* event, after the
+  last read of the layer it held (the issue-time wait also orders it);
+* the host-tier reload waits for the poison fill recorded on the compute stream;
+* the owner's new rows of ``l`` land after its send of ``l``: the send precedes ``l``'s all-gather
+  on the FIFO comm stream, which compute waits for first.
 """
 
 from __future__ import annotations
