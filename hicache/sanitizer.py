@@ -21,8 +21,8 @@ is reported with both call sites. A missing edge is reported on every run.
 them): each submitted op carries the submitting host's clock; ``record`` snapshots the stream's
 clock into that record (keyed per record, not per event object); ``wait_event`` joins it into the
 waiting stream; ``Event.synchronize``, a ``query()`` that returns True and ``Stream.synchronize``
-join it into the host. Implicit syncs (``.item()``, ``.tolist()``) are *not* edges: call
-:func:`host_sync` where code relies on one.
+join it into the host. Implicit syncs (``.item()``, ``.tolist()``) are *not* edges: code that relies
+on one must synchronize the stream or event explicitly.
 
 **Memory.** Accesses are byte ranges of a storage: a view's extent, refined to the rows an integer
 index selects along dim 0 (``pages[ids]``, ``index_put_``, ``index_select``, ``index_copy_``), so
@@ -612,8 +612,3 @@ def opaque(name: str, reads=(), writes=()):
         yield
     finally:
         san._tls.opaque = False
-
-
-def host_sync(stream) -> None:
-    """Declare an implicit host sync on ``stream`` that code relies on (``.item()`` and friends)."""
-    stream.synchronize()
