@@ -13,7 +13,9 @@ Hazards handled here:
 * write-after-read on re-allocated device pages (SGLang #36738): pages freed by earlier forward
   work carry a fence event; the Load Stream waits on it before overwriting them;
 * host pages must not be reused while a copy still reads them: the load holds a reference on them
-  until its last event completed (:meth:`LayerwiseLoader.reclaim`).
+  until its last event completed (:meth:`LayerwiseLoader.reclaim`);
+* the copies themselves are DMA on the Load Stream (:mod:`hicache.transfer`): no host-side half reads
+  host pages before the fences above (an offload still writing them) are met.
 
 ``unsafe_skip`` drops named safeguards ({'indexer', 'kv', 'fence'}) to reproduce the upstream bugs
 in stress tests. Never set it in production.
@@ -21,9 +23,7 @@ in stress tests. Never set it in production.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
-import torch
+from dataclasses import dataclass
 
 from hicache.device_pool import DSADevicePool
 from hicache.host_pool import DSAHostPool

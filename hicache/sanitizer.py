@@ -38,6 +38,9 @@ instead of CUDA's trace callbacks, the host is an agent of its own whose clock t
 submitted op, accesses are byte ranges instead of ``data_ptr`` keys (views of one buffer), and
 hazards are collected instead of raised.
 
+What an op touches (schemas, byte ranges, host memory, call sites) is in
+:mod:`hicache.sanitizer_access`.
+
 Usage::
 
     with sanitized() as san:          # or LAYERSPLIT_SANITIZE=1 where the commands read it
@@ -48,8 +51,6 @@ Usage::
 from __future__ import annotations
 
 import itertools
-import os
-import sys
 import threading
 import weakref
 from collections import Counter
@@ -57,23 +58,14 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
-from torch.cuda._sanitizer import FACTORY_FUNCTION_REGEX, StreamSynchronizations, zip_arguments
+from torch.cuda._sanitizer import StreamSynchronizations
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-aten = torch.ops.aten
-_COPIES = {aten.copy_.default, aten._to_copy.default}
-_INDEX_READS = {aten.index.Tensor: 1, aten.index.Tensor_out: 1, aten.index_select.default: 2,
-                aten.index_select.out: 2}  # op -> position of the index
-_INDEX_WRITES = {aten.index_put_.default: 1, aten._index_put_impl_.default: 1, aten.index_copy_.default: 2,
-                 aten.index_fill_.int_Scalar: 2, aten.index_fill_.int_Tensor: 2, aten.index_add_.default: 2}
-_SKIP = {aten.record_stream.default, aten.set_.source_Storage_storage_offset}
-_HERE = os.path.dirname(os.path.abspath(__file__))
-_INTERNAL = (os.path.dirname(torch.__file__), os.path.join(_HERE, "sanitizer.py"), os.path.join(_HERE, "streams.py"),
-             os.path.join(_HERE, "device_module.py"), "threading.py", "contextlib.py", "<")
+from hicache.sanitizer_access import COPIES, SKIP, byte_ranges, index_rows, is_host, op_accesses, where
+from hicache.sanitizer_access import mark_host_memory  # noqa: F401 - part of this module's API
 
 _MAX_HISTORY = 256  # accesses kept per storage before covered ones are dropped regardless
-_HOST_MEMORY: dict[int, weakref.ref] = {}  # storage data_ptr -> the storage, for host (pinned) memory
 _active: "Sanitizer | None" = None
 _CURRENT_STREAM = None  # set by a torch.cuda-shaped device module: the calling host thread's current stream
 
@@ -83,20 +75,6 @@ def follow_current_stream(resolver) -> None:
     module's current stream), or None; ``None`` unsets it."""
     global _CURRENT_STREAM
     _CURRENT_STREAM = resolver
-
-
-def mark_host_memory(*tensors: torch.Tensor) -> None:
-    """Declare ``tensors`` host memory (host pools, pinned staging): non-copy ops on them inside a
-    stream op are host work at submit time."""
-    for t in tensors:
-        storage = t.untyped_storage()
-        if storage.data_ptr():
-            _HOST_MEMORY[storage.data_ptr()] = weakref.ref(storage)
-
-
-def _is_host(key: int, storage) -> bool:
-    ref = _HOST_MEMORY.get(key)
-    return ref is not None and ref() is storage
 
 
 @dataclass(frozen=True)
@@ -150,68 +128,6 @@ class _History:
     recorded: set[int] = field(default_factory=set)  # record_stream() declarations
 
 
-def _where() -> str:
-    frame, sites = sys._getframe(2), []
-    while frame is not None and len(sites) < 2:
-        name = frame.f_code.co_filename
-        if not name.startswith(_INTERNAL) and not name.endswith(_INTERNAL[3:]) and "site-packages" not in name:
-            sites.append(f"{os.path.relpath(name) if name.startswith(os.getcwd()) else name}:{frame.f_lineno} "
-                         f"({frame.f_code.co_name})")
-        frame = frame.f_back
-    return " < ".join(sites) or "?"
-
-
-def _byte_ranges(t: torch.Tensor, rows: list[int] | None = None) -> list[tuple[int, int]]:
-    """Byte ranges of ``t``'s storage it covers (its extent, or only ``rows`` along dim 0)."""
-    if t.numel() == 0:
-        return []
-    es, base = t.element_size(), t.storage_offset()
-    if rows is None or t.dim() == 0:
-        extent = 1 + sum((s - 1) * abs(st) for s, st in zip(t.shape, t.stride()))
-        return [(base * es, (base + extent) * es)]
-    row_extent = 1 + sum((s - 1) * abs(st) for s, st in zip(t.shape[1:], t.stride()[1:]))
-    out: list[tuple[int, int]] = []
-    for r in rows:
-        start = (base + r * t.stride(0)) * es
-        if out and out[-1][1] == start:
-            out[-1] = (out[-1][0], start + row_extent * es)
-        else:
-            out.append((start, start + row_extent * es))
-    return out
-
-
-def _index_rows(func, args: tuple) -> tuple[torch.Tensor, list[int]] | None:
-    """(indexed tensor, its rows along dim 0) for an integer-index op on dim 0, else None."""
-    pos = _INDEX_READS.get(func, _INDEX_WRITES.get(func))
-    if pos is None or len(args) <= pos:
-        return None
-    self, index = args[0], args[pos]
-    if pos == 2 and args[1] != 0:  # index_select / index_copy_ along another dim
-        return None
-    if isinstance(index, (list, tuple)):  # advanced indexing: the first index picks the rows of dim 0
-        if not index or index[0] is None:
-            return None
-        index = index[0]
-    if not isinstance(index, torch.Tensor) or index.dtype in (torch.bool, torch.uint8) or self.dim() == 0:
-        return None
-    n = self.shape[0]
-    return self, sorted({v % n for v in index.flatten().tolist()}) if n else []
-
-
-def _collective_access(func, args: tuple) -> list[tuple[torch.Tensor, bool]] | None:
-    """c10d's schemas carry no alias annotations: broadcast_ writes its tensors except on the root,
-    allgather_ reads its inputs and writes its outputs."""
-    name = func._schema.name
-    if name == "c10d::broadcast_":
-        root = torch.distributed.ProcessGroup.unbox(args[1]).rank() == args[2]
-        return [(t, not root) for t in tree_flatten(args[0])[0]]
-    if name == "c10d::allgather_":
-        return [(t, True) for t in tree_flatten(args[0])[0]] + [(t, False) for t in tree_flatten(args[1])[0]]
-    if name.startswith("c10d::"):
-        return [(t, True) for t in tree_flatten(list(args))[0] if isinstance(t, torch.Tensor)]
-    return None
-
-
 class _Mode(TorchDispatchMode):
     def __init__(self, san: "Sanitizer") -> None:
         super().__init__()
@@ -219,7 +135,7 @@ class _Mode(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if _active is not self.san or func in _SKIP or getattr(self.san._tls, "opaque", False):
+        if _active is not self.san or func in SKIP or getattr(self.san._tls, "opaque", False):
             return func(*args, **kwargs)
         with self.san.host_op_in_stream_order():
             inputs = self.san.parse_inputs(func, args, kwargs)
@@ -371,9 +287,9 @@ class Sanitizer:
                 self._drain_freed()
                 agent, state, seq, _ = self._agent_for(None, [(t, w) for t, w in ((r[0], False) for r in reads)])
                 self._active.add(agent)
-                where = _where()
+                site = where()
                 for (t, rows), write in [*((r, False) for r in reads), *((w, True) for w in writes)]:
-                    self._access(t, rows, _Access(0, 0, agent, seq, write, name, where), state)
+                    self._access(t, rows, _Access(0, 0, agent, seq, write, name, site), state)
 
     def record_stream(self, tensor: torch.Tensor, stream) -> None:
         with self._lock:
@@ -382,44 +298,33 @@ class Sanitizer:
 
     # accesses ------------------------------------------------------------------------------------
     def parse_inputs(self, func, args, kwargs) -> list[tuple[torch.Tensor, bool]]:
-        collective = _collective_access(func, args)
-        if collective is not None:
-            return collective
-        factory = bool(FACTORY_FUNCTION_REGEX.match(func._schema.name))
-        out = []
-        for argument, value in zip_arguments(func._schema, args, kwargs):
-            alias = argument.alias_info
-            write = alias is not None and alias.is_write
-            if factory or (alias is not None and not write):
-                continue  # metadata only (a view, or a *_like factory)
-            out.extend((t, write) for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor))
-        return out
+        return op_accesses(func, args, kwargs)
 
     def on_op(self, func, args, inputs, out) -> None:
         outputs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
         seen = {t.untyped_storage().data_ptr() for t, _ in inputs}
         fresh = [] if any(r.alias_info is not None for r in func._schema.returns) else [
             t for t in outputs if t.untyped_storage().data_ptr() not in seen]
-        indexed = _index_rows(func, args)
+        indexed = index_rows(func, args)
         with self._lock:
             self._drain_freed()
             agent, state, seq, host_half = self._agent_for(func, inputs)
             self._active.add(agent)
-            op, where = func._schema.name, _where()
+            op, site = func._schema.name, where()
             self.ops_checked += 1
             for t in fresh:
                 self._allocate(t, agent)
             for t, write in [*inputs, *((t, True) for t in fresh)]:
                 rows = indexed[1] if indexed is not None and t is indexed[0] else None
-                self._access(t, rows, _Access(0, 0, agent, seq, write, op, where), state)
+                self._access(t, rows, _Access(0, 0, agent, seq, write, op, site), state)
 
     def _agent_for(self, func, inputs) -> tuple[int, dict[int, int], int, bool]:
         stream = getattr(self._tls, "stream", None)
         if stream is not None:
             storages = [(t.untyped_storage().data_ptr(), t.untyped_storage()) for t, _ in inputs]
-            host = [_is_host(k, s) for k, s in storages]
+            host = [is_host(k, s) for k, s in storages]
             submit = getattr(self._tls, "submit", None)
-            dma = func is not None and func in _COPIES and (func is aten._to_copy.default or not all(host))
+            dma = func is not None and func in COPIES and (func is torch.ops.aten._to_copy.default or not all(host))
             if any(host) and not dma:  # a host half: runs at submit time, with the host's clock then
                 if submit is None:  # inline compute stream: the host runs it now
                     agent = self.host_agent()
@@ -461,7 +366,7 @@ class Sanitizer:
         if not storage.data_ptr():
             return
         _, hist = self._history(storage)
-        for start, end in _byte_ranges(t, rows):
+        for start, end in byte_ranges(t, rows):
             self._check(hist, _Access(start, end, acc.agent, acc.seq, acc.write, acc.op, acc.where), state)
 
     def _check(self, hist: _History, acc: _Access, state: dict[int, int]) -> None:

@@ -144,6 +144,14 @@ class RankEngine:
             end.record(self.compute)
         self._waits.append((name, start, end))
 
+    def _annotate_waits(self) -> None:
+        """Trace wait spans are host time (about 0 on CUDA, where the host only queues the wait): each
+        gets the compute stream's own stall, measured with its timing events."""
+        stalls = {f"wait {name}": s.elapsed_time(e) for name, s, e in self._waits}
+        for event in self.tracer.events:
+            if event["name"] in stalls:
+                event["args"]["stream_stall_ms"] = stalls[event["name"]]
+
     # HiCache: prefix rows reload from this rank's (layer-split) host tier ---------------------------
     def _host_requests(self, plan: BatchPlan) -> list[int]:
         everything = self.cfg.hicache_delay_s > 0  # the coherence test reloads every prefix
@@ -274,6 +282,7 @@ class RankEngine:
             load.kv_ready[self.pool.pool.layers[-1]].synchronize()
         end.synchronize()
         seconds = start.elapsed_time(end) / 1e3
+        self._annotate_waits()
         for b in range(len(requests)):
             self.pool.pool.allocator.free(plan.pool_pages[b])
         waits = sum(s.elapsed_time(e) for name, s, e in self._waits if name.startswith("bcast")) / 1e3
