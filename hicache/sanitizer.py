@@ -65,7 +65,6 @@ from torch.utils._pytree import tree_flatten
 from hicache.sanitizer_access import COPIES, SKIP, byte_ranges, index_rows, is_host, op_accesses, where
 from hicache.sanitizer_access import mark_host_memory  # noqa: F401 - part of this module's API
 
-_MAX_HISTORY = 256  # accesses kept per storage before covered ones are dropped regardless
 _active: "Sanitizer | None" = None
 _CURRENT_STREAM = None  # set by a torch.cuda-shaped device module: the calling host thread's current stream
 
@@ -158,6 +157,8 @@ class Sanitizer:
         self._storages: dict[int, _History] = {}
         self._freed: list[tuple[int, _History, dict[int, int]]] = []
         self._inline: set[int] = set()  # compute streams executed by the host thread
+        self._agents: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # stream -> agent
+        self._streams: dict[int, weakref.ref] = {}  # agent -> stream
         self._active: set[int] = set()  # agents that accessed memory
 
     # agents -------------------------------------------------------------------------------------
@@ -175,11 +176,14 @@ class Sanitizer:
         return agent
 
     def stream_agent(self, stream) -> int:
-        agent = getattr(stream, "_san_agent", None)
-        if agent is None or agent not in self._names:
-            with self._lock:
-                agent = stream._san_agent = self._new_agent(f"stream {stream.name}")
-        return agent
+        """This sanitizer's agent for ``stream`` (kept here, not on the stream: a later sanitizer
+        numbers its agents afresh)."""
+        with self._lock:
+            agent = self._agents.get(stream)
+            if agent is None:
+                agent = self._agents[stream] = self._new_agent(f"stream {stream.name}")
+                self._streams[agent] = weakref.ref(stream)
+            return agent
 
     def _state(self, agent: int) -> dict[int, int]:
         return self.sync.current_sync_states[agent]
@@ -198,9 +202,11 @@ class Sanitizer:
         stream op (nested) carries that stream's clock."""
         with self._lock:
             submit = getattr(self._tls, "submit", None)
-            if submit is not None:  # from inside a stream op: that op's submitter
-                return submit[0], dict(self._state(self._tls.stream))
+            if submit is not None:  # from inside a stream op: on a GPU the host submitted both at once
+                return submit[0], dict(submit[1])
             host = self.host_agent()  # not the compute stream's: the host runs ahead of it
+            seq = next(self._seq)  # the submission is a host event: its host half (if any) happens here
+            self.sync.update_seq_num(host, seq)
             return host, dict(self._state(host))
 
     def run_op(self, stream, submit: tuple[int, dict[int, int]], fn) -> None:
@@ -238,7 +244,7 @@ class Sanitizer:
         drained first (its queued ops run before it) and the op is that stream's."""
         stream = None
         if _CURRENT_STREAM is not None and getattr(self._tls, "stream", None) is None \
-                and not getattr(self._tls, "worker", False):
+                and not getattr(self._tls, "worker", False) and not getattr(self._tls, "host_declared", False):
             stream = _CURRENT_STREAM()
         if stream is None:
             yield
@@ -246,7 +252,6 @@ class Sanitizer:
         stream._drain()
         agent = self.stream_agent(stream)
         self._tls.stream, self._tls.submit = agent, None
-        self._inline.add(agent)
         try:
             yield
         finally:
@@ -254,31 +259,34 @@ class Sanitizer:
 
     @contextmanager
     def as_host(self):
-        previous = getattr(self._tls, "stream", None), getattr(self._tls, "submit", None)
-        self._tls.stream, self._tls.submit = None, None
+        previous = (getattr(self._tls, "stream", None), getattr(self._tls, "submit", None),
+                    getattr(self._tls, "host_declared", False))
+        self._tls.stream, self._tls.submit, self._tls.host_declared = None, None, True
         try:
             yield
         finally:
-            self._tls.stream, self._tls.submit = previous
+            self._tls.stream, self._tls.submit, self._tls.host_declared = previous
 
     def record(self, stream) -> int:
         """``stream`` reached a record: a new snapshot id (one per record, not per event object)."""
+        agent = self.stream_agent(stream)
         with self._lock:
             snap = next(self._ids)
             self.sync.create_event(snap)
-            self.sync.record_state(snap, self.stream_agent(stream))
-            return snap
+            self.sync.record_state(snap, agent)
+            return self, snap
 
-    def wait(self, stream, snap: int | None) -> None:
-        if snap is not None:
+    def wait(self, stream, snap) -> None:
+        if snap is not None and snap[0] is self:  # a record made under another sanitizer orders nothing here
+            agent = self.stream_agent(stream)
             with self._lock:
-                self.sync.stream_wait_for_event(self.stream_agent(stream), snap)
+                self.sync.stream_wait_for_event(agent, snap[1])
 
     def host_wait(self, snap: int | None) -> None:
         """The host observed a record complete (event synchronize / query / stream synchronize)."""
-        if snap is not None:
+        if snap is not None and snap[0] is self:
             with self._lock:
-                self.sync.stream_wait_for_event(self.host_agent(), snap)
+                self.sync.stream_wait_for_event(self.host_agent(), snap[1])
 
     def declare(self, name: str, reads, writes) -> None:
         """One opaque op's accesses: ``reads`` / ``writes`` are ``(tensor, rows or None)``."""
@@ -380,15 +388,13 @@ class Sanitizer:
                 continue  # no later access can conflict with it without also conflicting with ``acc``
             keep.append(prev)
         keep.append(acc)
-        if len(keep) > _MAX_HISTORY:  # bound the bookkeeping: drop what a later access has covered
-            keep = [p for p in keep[:-1] if not (p.start >= acc.start and p.end <= acc.end)] + [acc]
         hist.accesses = keep
 
     def _settled(self, prev: _Access) -> bool:
         """Every agent that has accessed memory is ordered after ``prev``: keeping it would only
         name a second, earlier site for a conflict that is reported anyway. (Dropping an unsettled
         record instead would make the reported sites depend on how the threads interleaved.)"""
-        return all(self._state(a).get(prev.agent, 0) >= prev.seq for a in self._active if a != prev.agent)
+        return all(self._state(a).get(prev.agent, 0) >= prev.seq for a in self._names if a != prev.agent)
 
     def _report(self, kind: str, prev: _Access, acc: _Access) -> None:
         sites = [Site(self._names[a.agent], a.op, a.write, a.where) for a in (prev, acc)]
@@ -401,21 +407,32 @@ class Sanitizer:
 
     # the caching allocator -------------------------------------------------------------------------
     def _on_free(self, key: int, hist: _History) -> None:
-        """Finalizer of a storage, run on the thread that dropped the last reference. The state that
-        later allocations on the allocating stream are ordered after: a stream worker drops an op's
-        closure when the op ran, a GPU host right after submitting it (the op's submit state); the
-        host thread: its clock and, for the inline compute stream, that stream's clock now."""
+        """Finalizer of a storage, run on the thread that dropped the last reference. Later
+        allocations on the allocating stream are ordered after: the host's clock at the free (a
+        stream worker drops an op's closure when the op ran, a GPU host right after submitting it: the
+        op's submit state) and the allocating stream's clock where its queue stood at the free (the
+        inline compute stream: now; a worker stream: when it reaches a marker queued now)."""
         try:
             with self._lock:
                 if getattr(self._tls, "worker", False):
                     state = dict(getattr(self._tls, "free_state", None) or {})
                 else:
                     state = dict(self._state(self.host_agent()))
-                    if hist.alloc_agent in self._inline:
-                        self.sync._state_wait_for_other(state, self._state(hist.alloc_agent))
-                self._freed.append((key, hist, state))
+                alloc = hist.alloc_agent
+                stream = self._streams.get(alloc, lambda: None)() if alloc is not None else None
+                if alloc in self._inline or stream is None:
+                    if alloc in self._inline:
+                        self.sync._state_wait_for_other(state, self._state(alloc))
+                    self._freed.append((key, hist, state))
+                    return
         except (KeyError, AttributeError, TypeError):  # interpreter shutdown
             return
+
+        def reached() -> None:  # on the allocating stream's worker, after everything queued before
+            with self._lock:
+                self.sync._state_wait_for_other(state, self._state(alloc))
+                self._freed.append((key, hist, state))
+        stream._queue.put(reached)
 
     def _drain_freed(self) -> None:
         while self._freed:

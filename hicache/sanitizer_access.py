@@ -61,13 +61,19 @@ def where() -> str:
     return " < ".join(sites) or "?"
 
 
+_MAX_ROW_RANGES = 4096  # a strided view with more rows is taken by its whole extent
+
+
 def byte_ranges(t: torch.Tensor, rows: list[int] | None = None) -> list[tuple[int, int]]:
-    """Byte ranges of ``t``'s storage it covers (its extent, or only ``rows`` along dim 0)."""
+    """Byte ranges of ``t``'s storage it covers: its extent; or per row along dim 0 (``rows``, or
+    every row of a view with gaps between its rows, such as a column slice ``buf[:, :8]``)."""
     if t.numel() == 0:
         return []
     es, base = t.element_size(), t.storage_offset()
+    extent = 1 + sum((s - 1) * abs(st) for s, st in zip(t.shape, t.stride()))
+    if rows is None and t.dim() >= 2 and extent > t.numel() and t.shape[0] <= _MAX_ROW_RANGES:
+        rows = range(t.shape[0])  # gaps: cover each row, not the span across them
     if rows is None or t.dim() == 0:
-        extent = 1 + sum((s - 1) * abs(st) for s, st in zip(t.shape, t.stride()))
         return [(base * es, (base + extent) * es)]
     row_extent = 1 + sum((s - 1) * abs(st) for s, st in zip(t.shape[1:], t.stride()[1:]))
     out: list[tuple[int, int]] = []
