@@ -1,8 +1,14 @@
 """KV capacity per CP rank: redundant CP (every layer on every rank) vs LayerSplit.
 
-Per-rank KV budget = ``hbm_bytes * mem_fraction - weight_bytes_per_rank``; the weight placement
-assumption is explicit: ``param_count * bytes_per_param / weight_shards`` (default: fp8 weights
-sharded evenly over the N GPUs of the CP group, as with TP/EP = N on the same GPUs).
+Per-rank KV budget = ``hbm_reported * mem_fraction - weights per rank``:
+
+* ``hbm_reported``: the device's total memory as it reports it (``HardwareConfig.hbm_reported_bytes``);
+* ``1 - mem_fraction`` of it stays out of the static pool for activations, CUDA graphs and NCCL
+  buffers (SGLang's ``--mem-fraction-static``);
+* weights by placement (``weight_placement``): ``ep`` (default) is SGLang's prefill CP, where every CP
+  rank holds the attention, indexer, dense MLPs, shared experts, routers and embeddings whole and only
+  the routed experts are split over the EP group (``weight_shards``, default the CP size); ``even``
+  splits all weights evenly (the optimistic assumption this module used before).
 
 * redundant: a token costs ``sum over all layers`` of (KV + indexer key) bytes on every rank;
 * layersplit: a token costs only the rank's owned layers; the rank also reserves two scratch slots
@@ -23,6 +29,7 @@ from layersplit.config import HardwareConfig, ModelConfig
 from layersplit.ownership import plan_ownership
 
 WEIGHT_BYTES = {"fp8": 1.0, "bf16": 2.0, "none": 0.0}
+PLACEMENTS = ("ep", "even")
 
 
 def scratch_pages_for(max_batch_tokens: int, max_requests: int) -> int:
@@ -60,6 +67,15 @@ def sglang_plugin_staging_bytes(model: ModelConfig, kv_dtype: str, max_batch_tok
     return 2 * rows * model.kv_bytes_per_token(kv_dtype) + 3 * rows * model.index_bytes_per_token
 
 
+def weights_per_rank(model: ModelConfig, weight_dtype: str, placement: str, shards: int) -> tuple[float, float]:
+    """(replicated, split) weight bytes on one rank: ``ep`` replicates everything but the routed
+    experts, which ``shards`` ranks split; ``even`` splits everything."""
+    per_param = WEIGHT_BYTES[weight_dtype]
+    if placement == "even":
+        return 0.0, model.param_count() * per_param / shards
+    return model.replicated_params() * per_param, model.routed_expert_params() * per_param / shards
+
+
 @dataclass(frozen=True)
 class PlanRequest:
     cp: int
@@ -71,11 +87,14 @@ class PlanRequest:
     weight_dtype: str = "fp8"
     weight_shards: int | None = None  # None: the CP size
     ownership: str = "contiguous"
+    weight_placement: str = "ep"
 
 
 def _check(req: PlanRequest) -> None:
     if req.kv_dtype not in ("bf16", "fp8"):
         raise ValueError(f"kv_dtype: expected 'bf16' or 'fp8', got {req.kv_dtype!r}")
+    if req.weight_placement not in PLACEMENTS:
+        raise ValueError(f"weight_placement: expected one of {PLACEMENTS}, got {req.weight_placement!r}")
     if req.weight_dtype not in WEIGHT_BYTES:
         raise ValueError(f"weight_dtype: expected one of {list(WEIGHT_BYTES)}, got {req.weight_dtype!r}")
     if not 0 < req.mem_fraction <= 1:
@@ -95,11 +114,13 @@ def capacity_plan(model: ModelConfig, hw: HardwareConfig, req: PlanRequest) -> d
     redundant = mode_bytes(model, req.cp, req.kv_dtype, "redundant", req.max_batch_tokens, req.max_requests)
     split = mode_bytes(model, req.cp, req.kv_dtype, "layersplit", req.max_batch_tokens, req.max_requests, req.ownership)
     shards = req.weight_shards or req.cp
-    weight_bytes = model.param_count() * WEIGHT_BYTES[req.weight_dtype] / shards
-    budget = hw.hbm_bytes * req.mem_fraction - weight_bytes
+    replicated, expert_parallel = weights_per_rank(model, req.weight_dtype, req.weight_placement, shards)
+    weight_bytes = replicated + expert_parallel
+    hbm = hw.hbm_reported_bytes
+    budget = hbm * req.mem_fraction - weight_bytes
     if budget <= 0:
         raise ValueError(
-            f"KV budget: expected > 0 bytes per rank, got {budget:.3e} ({hw.name} {hw.hbm_bytes:.3e} B x "
+            f"KV budget: expected > 0 bytes per rank, got {budget:.3e} ({hw.name} {hbm:.3e} B x "
             f"{req.mem_fraction} - weights {weight_bytes:.3e} B); use more --weight-shards or another --hardware"
         )
     redundant_per_token, owned_per_token = redundant.bytes_per_token, split.bytes_per_token
@@ -119,6 +140,10 @@ def capacity_plan(model: ModelConfig, hw: HardwareConfig, req: PlanRequest) -> d
         "indexer_layers": len(model.indexer_layer_ids),
         "bytes_per_token_redundant": redundant_per_token, "bytes_per_token_layersplit": owned_per_token,
         "param_count": model.param_count(), "weight_dtype": req.weight_dtype, "weight_shards": shards,
+        "weight_placement": req.weight_placement,
+        "hbm_reported_bytes": hbm, "hbm_datasheet_bytes": hw.hbm_bytes,
+        "hbm_reserved_bytes": hbm * (1 - req.mem_fraction),  # activations, CUDA graphs, NCCL buffers
+        "weight_bytes_replicated": replicated, "weight_bytes_expert_parallel": expert_parallel,
         "weight_bytes_per_rank": weight_bytes, "mem_fraction": req.mem_fraction,
         "kv_budget_bytes_per_rank": budget, "max_batch_tokens": req.max_batch_tokens,
         "scratch_bytes": scratch_bytes,
@@ -130,6 +155,10 @@ def capacity_plan(model: ModelConfig, hw: HardwareConfig, req: PlanRequest) -> d
         "tokens_per_rank_sglang_plugin": tokens_plugin,
         "capacity_ratio_sglang_plugin": tokens_plugin / tokens_redundant if tokens_redundant else 0.0,
         "capacity_ratio_ideal": redundant_per_token / owned_per_token,
+        "capacity_ratios": {"redundant": 1.0,
+                            "upstream-layersplit": tokens_upstream / tokens_redundant if tokens_redundant else 0.0,
+                            "sglang-plugin": tokens_plugin / tokens_redundant if tokens_redundant else 0.0,
+                            "layersplit": tokens_layersplit / tokens_redundant if tokens_redundant else 0.0},
         "context_len": req.context_len,
         "broadcast_bytes_per_layer": rows_bytes,
         "broadcast_bytes_per_layer_upstream": tokens_upstream * max(per_layer),

@@ -9,7 +9,7 @@ import argparse
 import json
 import sys
 
-from layersplit.capacity import WEIGHT_BYTES, PlanRequest, capacity_plan
+from layersplit.capacity import PLACEMENTS, WEIGHT_BYTES, PlanRequest, capacity_plan
 from layersplit.config import ConfigError, load_hardware, load_model
 from layersplit import gpu_check_cmd, monitor_cmd, prefill_cmd, stress_cmd, sweep_cmd
 from layersplit.ownership import STRATEGIES
@@ -55,7 +55,10 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--weight-dtype", choices=tuple(WEIGHT_BYTES), default=_DEFAULTS.weight_dtype,
                    help="bytes per weight: fp8 = 1, bf16 = 2, none = ignore weights")
     p.add_argument("--weight-shards", type=_int_at_least(1), default=None,
-                   help="GPUs the weights are split over evenly (default: the CP size, i.e. TP/EP = N)")
+                   help="GPUs the split weights are spread over (default: the CP size, i.e. EP = N)")
+    p.add_argument("--weight-placement", choices=PLACEMENTS, default=_DEFAULTS.weight_placement,
+                   help="ep (default): SGLang's prefill CP, everything but the routed experts replicated on every "
+                        "rank, routed experts split over EP; even: all weights split evenly (optimistic)")
     p.add_argument("--max-requests", type=_int_at_least(1), default=_DEFAULTS.max_requests,
                    help="requests per prefill batch (each may end in a partial scratch page)")
     p.add_argument("--ownership", choices=STRATEGIES, default=_DEFAULTS.ownership)
@@ -72,9 +75,13 @@ def _format_plan(r: dict) -> str:
         ("model / hardware / CP", f"{r['model']} / {r['hardware']} / {r['cp']} ranks ({r['ownership']} ownership)"),
         ("cache bytes per token per layer", f"KV {r['kv_bytes_per_token_layer']} B ({r['kv_dtype']}) + indexer "
                                             f"{r['index_bytes_per_token_layer']} B on {r['indexer_layers']}/{r['num_layers']} layers"),
-        ("weights per rank (assumption)", f"{r['param_count'] / 1e9:,.1f}B params x {r['weight_dtype']} / "
-                                          f"{r['weight_shards']} shards = {_gib(r['weight_bytes_per_rank'])}"),
-        ("KV budget per rank", f"{_gib(r['kv_budget_bytes_per_rank'])} (HBM x {r['mem_fraction']} - weights)"),
+        ("HBM as the device reports it", f"{_gib(r['hbm_reported_bytes'])} (datasheet {r['hbm_datasheet_bytes'] / 1e9:.0f} GB)"),
+        ("reserved: activations, graphs, NCCL", f"{_gib(r['hbm_reserved_bytes'])} (1 - mem fraction {r['mem_fraction']})"),
+        ("weights replicated on every rank", f"{_gib(r['weight_bytes_replicated'])} ({r['weight_dtype']}; "
+                                             f"placement {r['weight_placement']})"),
+        ("weights split over EP", f"{_gib(r['weight_bytes_expert_parallel'])} ({r['param_count'] / 1e9:,.1f}B params "
+                                  f"in all; {r['weight_shards']} shards)"),
+        ("KV budget per rank", f"{_gib(r['kv_budget_bytes_per_rank'])} (reported HBM x {r['mem_fraction']} - weights)"),
         ("bytes per token, redundant CP", f"{r['bytes_per_token_redundant']:,} B (all {r['num_layers']} layers)"),
         ("bytes per token, LayerSplit", f"{r['bytes_per_token_layersplit']:,} B ({r['max_owned_layers']} owned layers)"),
         ("LayerSplit scratch (2 slots)", f"{_gib(r['scratch_bytes'])} for {r['max_batch_tokens']:,} batch tokens"),
@@ -99,7 +106,8 @@ def _run_plan(args: argparse.Namespace) -> int:
     req = PlanRequest(cp=args.cp, kv_dtype=args.kv_dtype, max_batch_tokens=args.max_batch_tokens,
                       max_requests=args.max_requests,
                       context_len=args.context_len, mem_fraction=args.mem_fraction, weight_dtype=args.weight_dtype,
-                      weight_shards=args.weight_shards, ownership=args.ownership)
+                      weight_shards=args.weight_shards, ownership=args.ownership,
+                      weight_placement=args.weight_placement)
     result = capacity_plan(model, hw, req)
     print(json.dumps(result) if args.json else _format_plan(result))
     return 0

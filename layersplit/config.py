@@ -110,6 +110,16 @@ class ModelConfig:
         layers = sum(self.attention_params(layer) + self.mlp_params(layer) for layer in range(self.num_layers))
         return layers + 2 * self.vocab_size * self.hidden_size
 
+    def routed_expert_params(self) -> int:
+        """Routed experts of every MoE layer: what expert parallelism splits over the EP group."""
+        moe_layers = self.num_layers - self.first_k_dense
+        return moe_layers * self.n_routed_experts * 3 * self.hidden_size * self.moe_intermediate_size
+
+    def replicated_params(self) -> int:
+        """What every rank of SGLang's prefill CP holds whole: attention and indexer, dense MLPs,
+        shared experts, routers, embeddings, head (norms are negligible and not counted)."""
+        return self.param_count() - self.routed_expert_params()
+
 
 @dataclass(frozen=True)
 class HardwareConfig:
@@ -120,6 +130,18 @@ class HardwareConfig:
     pcie_h2d_bandwidth: float  # bytes/s, pinned host -> device
     dense_flops_bf16: float  # FLOP/s, dense (no sparsity)
     dense_flops_fp8: float
+    hbm_reported_bytes: int  # what the device reports as its total memory (the KV budget starts here)
+    gpus_per_node: int
+    host_dram_bandwidth: float  # bytes/s, one node's host DRAM, shared by every GPU's reloads
+    gpus_per_pcie_switch: int  # GPUs behind one PCIe switch uplink
+    pcie_switch_bandwidth: float  # bytes/s, one switch uplink to the host, shared by its GPUs
+
+    def reload_bandwidth(self, concurrent: int) -> float:
+        """Host -> device bytes/s one GPU gets while ``concurrent`` GPUs of its node reload at once:
+        its own PCIe link, its share of its switch uplink, and its share of host DRAM (MODEL)."""
+        behind_switch = min(concurrent, self.gpus_per_pcie_switch)
+        return min(self.pcie_h2d_bandwidth, self.pcie_switch_bandwidth / behind_switch,
+                   self.host_dram_bandwidth / max(1, concurrent))
 
 
 def _parse_indexer_layers(path: Path, value: Any) -> IndexerLayers:

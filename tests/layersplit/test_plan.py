@@ -112,3 +112,24 @@ def test_ownership_errors():
         plan_ownership(8, 2, "random")
     with pytest.raises(ValueError, match="world_size: expected the CP group size 2, got 4"):
         plan_ownership(8, 2, world_size=4)
+
+
+def test_budget_terms_by_placement(capsys):
+    """SGLang's prefill CP: every rank holds all but the routed experts whole; the routed experts are
+    split over EP. The budget starts from the HBM the device reports and keeps 1 - mem fraction back."""
+    m, hw = load_model("glm-5"), load_hardware("h200")
+    assert m.replicated_params() + m.routed_expert_params() == m.param_count()
+    assert m.routed_expert_params() == 75 * 256 * 3 * 6144 * 2048  # 75 MoE layers x 256 experts
+    r = run_json(capsys, "--model", "glm-5", "--cp", "8", "--hardware", "h200")
+    assert r["weight_placement"] == "ep" and r["hbm_reported_bytes"] == hw.hbm_reported_bytes
+    assert r["weight_bytes_replicated"] == m.replicated_params()  # fp8: one byte a weight
+    assert r["weight_bytes_expert_parallel"] == m.routed_expert_params() / 8
+    assert r["kv_budget_bytes_per_rank"] == pytest.approx(
+        hw.hbm_reported_bytes * 0.9 - r["weight_bytes_replicated"] - r["weight_bytes_expert_parallel"])
+    assert r["hbm_reserved_bytes"] == pytest.approx(hw.hbm_reported_bytes * 0.1)
+    even = run_json(capsys, "--model", "glm-5", "--cp", "8", "--hardware", "h200", "--weight-placement", "even")
+    assert even["weight_bytes_per_rank"] == pytest.approx(m.param_count() / 8)
+    assert even["kv_budget_bytes_per_rank"] > r["kv_budget_bytes_per_rank"] + 15e9  # replicated weights cost ~17 GB
+    ratios = r["capacity_ratios"]
+    assert list(ratios) == ["redundant", "upstream-layersplit", "sglang-plugin", "layersplit"]
+    assert ratios["redundant"] == 1.0 < ratios["sglang-plugin"] < ratios["upstream-layersplit"] < ratios["layersplit"]
