@@ -38,26 +38,53 @@ def scratch_pages_for(max_batch_tokens: int, max_requests: int) -> int:
     return -(-max_batch_tokens // PAGE_SIZE) + max_requests
 
 
+# The serving modes the sweep compares, each a row of every table:
+# redundant              SGLang CP: every layer on every rank, a per-rank host tier (SGLang's HiCache);
+# redundant-shared-host  the same device layout, one host copy per node that every rank reloads from;
+# upstream-layersplit    SGLang 0.5.23 --enable-dsa-cache-layer-split: owned layers + one pool-sized
+#                        landing layer; whole-buffer broadcast on every read (indexer synchronous);
+# sglang-plugin          upstream's layout + this project's batch-sized staging, row-only broadcasts;
+# layersplit             this project's engine: owned layers + two batch-sized scratch slots.
+MODES = ("redundant", "redundant-shared-host", "upstream-layersplit", "sglang-plugin", "layersplit")
+BROADCAST = {"redundant": None, "redundant-shared-host": None, "upstream-layersplit": "pool",
+             "sglang-plugin": "rows", "layersplit": "rows"}
+
+
 @dataclass(frozen=True)
 class ModeBytes:
     """Per-rank cache bytes per token of one mode, and the layers each rank keeps."""
 
     mode: str
-    bytes_per_token: int  # worst rank
+    bytes_per_token: int  # device, worst rank (upstream's layouts: + the pool-sized landing layer)
     held_layers: tuple[tuple[int, ...], ...]  # per rank
-    scratch_bytes: int  # layersplit: two slots of one remote layer's rows for a whole batch
+    scratch_bytes: int  # batch-sized scratch (layersplit: two slots; plug-in: its staging)
+    host_bytes_per_token: int = 0  # host tier: the held layers (0: as ``bytes_per_token``)
+    host_pooled_ranks: int = 1  # ranks whose host budgets hold one shared copy (shared host: the CP size)
+
+    @property
+    def broadcast(self) -> str | None:
+        """None, 'rows' (the batch's prefix rows) or 'pool' (upstream: the whole landing layer)."""
+        return BROADCAST[self.mode]
 
 
 def mode_bytes(model: ModelConfig, cp: int, kv_dtype: str, mode: str, max_batch_tokens: int,
                max_requests: int, ownership: str = "contiguous") -> ModeBytes:
-    """Bytes per token a rank stores in ``mode`` ('redundant' or 'layersplit')."""
+    """Bytes per token a rank stores in ``mode`` (one of :data:`MODES`)."""
+    if mode not in MODES:
+        raise ValueError(f"mode: expected one of {MODES}, got {mode!r}")
     per_layer = [model.layer_bytes_per_token(layer, kv_dtype) for layer in range(model.num_layers)]
-    if mode == "redundant":
-        return ModeBytes(mode, sum(per_layer), (tuple(range(model.num_layers)),) * cp, 0)
-    own = plan_ownership(model.num_layers, cp, ownership)
-    held = tuple(own.owned_layers(r) for r in range(cp))
-    scratch = 2 * scratch_pages_for(max_batch_tokens, max_requests) * PAGE_SIZE * max(per_layer) if cp > 1 else 0
-    return ModeBytes(mode, max(sum(per_layer[layer] for layer in h) for h in held), held, scratch)
+    if mode.startswith("redundant"):
+        pooled = cp if mode == "redundant-shared-host" else 1
+        return ModeBytes(mode, sum(per_layer), (tuple(range(model.num_layers)),) * cp, 0, sum(per_layer), pooled)
+    held = tuple(plan_ownership(model.num_layers, cp, "contiguous" if mode != "layersplit" else ownership)
+                 .owned_layers(r) for r in range(cp))
+    owned = max(sum(per_layer[layer] for layer in h) for h in held)
+    if mode == "layersplit":
+        scratch = 2 * scratch_pages_for(max_batch_tokens, max_requests) * PAGE_SIZE * max(per_layer) if cp > 1 else 0
+        return ModeBytes(mode, owned, held, scratch, owned)
+    landing = max(per_layer) if cp > 1 else 0  # one pool-sized layer: a layer's bytes for every pool token
+    staging = sglang_plugin_staging_bytes(model, kv_dtype, max_batch_tokens) if mode == "sglang-plugin" and cp > 1 else 0
+    return ModeBytes(mode, owned + landing, held, staging, owned)
 
 
 def sglang_plugin_staging_bytes(model: ModelConfig, kv_dtype: str, max_batch_tokens: int) -> int:

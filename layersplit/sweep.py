@@ -1,8 +1,11 @@
-"""The 40k-120k sweep at 90% prefix reuse: LayerSplit + HiCache vs redundant CP.
+"""The 40k-120k sweep at 90% prefix reuse: every serving mode on the same workload.
 
-For each request length and mode: build the workload, run the serving loop with that mode's tier
-capacities, time its batches with the chosen engine, and aggregate one point. Outputs (``--out``):
-``points.jsonl``, ``table.md`` and ``throughput.png``.
+For each request length and mode (:data:`layersplit.capacity.MODES`; the measured engine runs the
+two the CP engine implements): build the workload, run the serving loop with that mode's tier
+capacities, time its batches with the chosen engine, and aggregate one point. Each point carries its
+gain over redundant CP and over upstream SGLang's layer split, and (model engine) a time breakdown:
+compute, recompute of misses, exposed reload, exposed broadcast. Outputs (``--out``):
+``points.jsonl`` (written as points finish), ``table.md`` and ``throughput.png``.
 """
 
 from __future__ import annotations
@@ -11,16 +14,15 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from layersplit.capacity import PlanRequest, capacity_plan
+from layersplit.capacity import MODES, PlanRequest, capacity_plan, mode_bytes
 from layersplit.config import load_hardware, load_model
 from layersplit.cost_model import CostModel
 from layersplit.serving import ServingLoop
 from layersplit.sweep_config import SweepConfig
 from layersplit.sweep_engines import ModelEngine, RealEngine
-from layersplit.capacity import mode_bytes
 from layersplit.workload import capacity, make_requests
 
-MODES = ("redundant", "layersplit")
+REAL_MODES = ("redundant", "layersplit")  # what the CP engine implements (measured)
 SEED_GAIN = {40000: 10.0, 120000: 132.0}  # the seed's reported gains (percent) at the ends of the range
 
 
@@ -50,7 +52,8 @@ def plan_point(s: Setup, length: int, mode: str):
     return mb, cap, loop, loop.run(reqs)
 
 
-def aggregate(length: int, mode: str, mb, cap, loop, batches, costs, measured: bool) -> dict:
+def aggregate(length: int, mode: str, mb, cap, loop, batches, costs, measured: bool,
+              reusable: float = 0.9) -> dict:
     seconds = sum(x.seconds for x in costs)
     req_tokens = sum(s.req.prefix + s.req.new for b in batches for s in b.served)
     new_tokens = sum(s.req.new for b in batches for s in b.served)
@@ -58,35 +61,67 @@ def aggregate(length: int, mode: str, mb, cap, loop, batches, costs, measured: b
     hit = {t: sum(b.tokens(t) for b in batches) / prefix for t in ("L1", "L2", "miss")}
     return {
         "length": length, "mode": mode, "kind": "measured" if measured else "modelled",
+        "reusable_fraction": reusable,
         "request_tokens_per_s": req_tokens / seconds, "new_tokens_per_s": new_tokens / seconds,
         "hit_L1": hit["L1"], "hit_L2": hit["L2"], "miss": hit["miss"], "batches": len(batches),
         "requests": sum(len(b.served) for b in batches), "seconds": seconds,
         "reload_bytes_per_rank": sum(x.reload_bytes_per_rank for x in costs),
         "bcast_bytes": sum(x.bcast_bytes for x in costs), "exposed_comm_s": sum(x.exposed_comm_s for x in costs),
+        "exposed_reload_s": sum(x.exposed_reload_s for x in costs), "recompute_s": sum(x.recompute_s for x in costs),
+        "compute_s": sum(x.compute_s for x in costs),
         "l1_tokens_per_rank": cap.l1_tokens, "l2_tokens_per_rank": cap.l2_tokens,
         "kv_bytes_per_rank": cap.l1_tokens * mb.bytes_per_token + mb.scratch_bytes,
         "peak_l1_tokens": loop.peak_l1, "batch_sizes": [len(b.served) for b in batches],
     }
 
 
-def run_sweep(cfg: SweepConfig, progress=None) -> list[dict]:
-    s = setup(cfg)
+def modes_of(cfg: SweepConfig) -> tuple[str, ...]:
+    return REAL_MODES if cfg.engine == "real" else MODES
+
+
+def _engine(s: Setup):
+    cfg = s.cfg
     if cfg.engine == "real":
-        engine = RealEngine(s.model, cfg.cp, cfg.kv_dtype, cfg.seed)
-    else:
-        engine = ModelEngine({m: CostModel(s.model, s.hw, cfg.cp, cfg.kv_dtype, mode_bytes(
-            s.model, cfg.cp, cfg.kv_dtype, m, cfg.scaled(cfg.max_batch_context), cfg.max_batch_requests)) for m in MODES})
-    points = []
+        return RealEngine(s.model, cfg.cp, cfg.kv_dtype, cfg.seed)
+    costs = {}
+    for m in MODES:
+        mb = mode_bytes(s.model, cfg.cp, cfg.kv_dtype, m, cfg.scaled(cfg.max_batch_context), cfg.max_batch_requests)
+        pool = capacity(mb, s.device_bytes, cfg.host_bytes_per_rank).l1_tokens
+        costs[m] = CostModel(s.model, s.hw, cfg.cp, cfg.kv_dtype, mb, pool_tokens=pool)
+    return ModelEngine(costs)
+
+
+def add_gains(points: list[dict]) -> None:
+    """``gain_vs_redundant`` / ``gain_vs_upstream`` (percent, request tokens/s) of every point of one
+    length; ``gain_pct`` is the first (kept for scripts that read it)."""
+    by_mode = {p["mode"]: p["request_tokens_per_s"] for p in points}
+    for p in points:
+        p["gain_vs_redundant"] = p["gain_pct"] = 100 * (p["request_tokens_per_s"] / by_mode["redundant"] - 1)
+        up = by_mode.get("upstream-layersplit")
+        p["gain_vs_upstream"] = 100 * (p["request_tokens_per_s"] / up - 1) if up else None
+
+
+def run_sweep(cfg: SweepConfig, progress=None, on_length=None) -> list[dict]:
+    """Every point; ``on_length(points)`` gets each length's points as soon as they are done."""
+    s = setup(cfg)
+    engine, points = _engine(s), []
     for length in cfg.lengths:
-        for mode in MODES:
+        done = []
+        for mode in modes_of(cfg):
             mb, cap, loop, batches = plan_point(s, length, mode)
-            points.append(aggregate(length, mode, mb, cap, loop, batches, engine.run(batches, mode), engine.measured))
+            done.append(aggregate(length, mode, mb, cap, loop, batches, engine.run(batches, mode), engine.measured,
+                                  1 - cfg.new_fraction))
             if progress:
                 progress(1)
-        base, ls = points[-2], points[-1]
-        ls["gain_pct"] = 100 * (ls["request_tokens_per_s"] / base["request_tokens_per_s"] - 1)
-        base["gain_pct"] = 0.0
+        add_gains(done)
+        points += done
+        if on_length:
+            on_length(done)
     return points
+
+
+def _pct(x) -> str:
+    return "-" if x is None else f"{x:+.0f}%"
 
 
 def table(points: list[dict], cfg: SweepConfig) -> str:
@@ -94,15 +129,20 @@ def table(points: list[dict], cfg: SweepConfig) -> str:
     scale = f", token counts scaled x{cfg.scale:g}" if cfg.scale != 1 else ""
     lines = [f"Sweep `{cfg.name}`: {cfg.model} on {cfg.cp} x {cfg.hardware}, engine `{cfg.engine}` "
              f"(**{kind}**{scale}); {cfg.sessions} sessions, {cfg.requests} requests, "
-             f"{100 * (1 - cfg.new_fraction):.0f}% reusable prefix.", "",
-             "| length | mode | req tok/s | new tok/s | hit L1 | hit L2 | miss | reloaded/rank (GB) | broadcast (GB) "
-             "| exposed comm (s) | KV/rank (GB) | L1 tokens/rank | batches | gain |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             f"{cfg.host_bytes_per_rank / 1e9:g} GB host tier per GPU. `reusable` is the workload's reusable "
+             f"share of each request; L1 / L2 / miss are the shares of those prefix tokens each mode found "
+             f"resident, reloaded from host, or recomputed (counted by the serving loop).", "",
+             "| length | mode | req tok/s | reusable | L1 | L2 | miss | reloaded/rank (GB) | broadcast (GB) "
+             "| compute (s) | recompute (s) | exposed reload (s) | exposed bcast (s) | KV/rank (GB) "
+             "| L1 tokens/rank | batches | vs redundant | vs upstream split |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for p in points:
-        lines.append(f"| {p['length'] // 1000}k | {p['mode']} | {p['request_tokens_per_s']:,.0f} | {p['new_tokens_per_s']:,.0f} "
-                     f"| {p['hit_L1']:.0%} | {p['hit_L2']:.0%} | {p['miss']:.0%} | {p['reload_bytes_per_rank'] / 1e9:.3f} "
-                     f"| {p['bcast_bytes'] / 1e9:.3f} | {p['exposed_comm_s']:.3f} | {p['kv_bytes_per_rank'] / 1e9:.3f} "
-                     f"| {p['l1_tokens_per_rank']:,} | {p['batches']} | {p['gain_pct']:+.0f}% |")
+        lines.append(f"| {p['length'] // 1000}k | {p['mode']} | {p['request_tokens_per_s']:,.0f} "
+                     f"| {p['reusable_fraction']:.0%} | {p['hit_L1']:.0%} | {p['hit_L2']:.0%} | {p['miss']:.0%} "
+                     f"| {p['reload_bytes_per_rank'] / 1e9:.3f} | {p['bcast_bytes'] / 1e9:.3f} | {p['compute_s']:.2f} "
+                     f"| {p['recompute_s']:.2f} | {p['exposed_reload_s']:.3f} | {p['exposed_comm_s']:.3f} "
+                     f"| {p['kv_bytes_per_rank'] / 1e9:.3f} | {p['l1_tokens_per_rank']:,} | {p['batches']} "
+                     f"| {_pct(p['gain_vs_redundant'])} | {_pct(p['gain_vs_upstream'])} |")
     return "\n".join(lines) + "\n"
 
 
@@ -113,25 +153,22 @@ def plot(points: list[dict], cfg: SweepConfig, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     kind = points[0]["kind"]
-    fig, ax = plt.subplots(figsize=(7, 4.2))
-    for mode in MODES:
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(12, 4.2))
+    for mode in modes_of(cfg):
         pts = [p for p in points if p["mode"] == mode]
         ax.plot([p["length"] / 1000 for p in pts], [p["request_tokens_per_s"] for p in pts], marker="o", label=mode)
-    for p in points:
-        if p["mode"] == "layersplit":
-            ax.annotate(f"{p['gain_pct']:+.0f}%", (p["length"] / 1000, p["request_tokens_per_s"]),
-                        textcoords="offset points", xytext=(0, 7), ha="center", fontsize=8)
-    ax2 = ax.twinx()
-    ax2.plot([40, 120], [SEED_GAIN[40000], SEED_GAIN[120000]], "k--", alpha=0.5, label="seed's gain (+10% at 40k, +132% at 120k; line between)")
-    ax2.plot([p["length"] / 1000 for p in points if p["mode"] == "layersplit"],
-             [p["gain_pct"] for p in points if p["mode"] == "layersplit"], "g:", alpha=0.7, label="our gain")
-    ax2.set_ylabel("gain over redundant CP (%)")
-    ax.set_xlabel("request length (k tokens, nominal)")
+        if mode != "redundant":
+            ax2.plot([p["length"] / 1000 for p in pts], [p["gain_vs_redundant"] for p in pts], marker="o", label=mode)
+    ax2.scatter([k / 1000 for k in SEED_GAIN], list(SEED_GAIN.values()), marker="*", s=150, color="k", zorder=5,
+                label="seed's published gains (two points)")
+    ax2.axhline(0, color="grey", lw=0.5)
+    ax2.set_ylabel(f"gain over redundant CP (%, {kind})")
+    for a in (ax, ax2):
+        a.set_xlabel("request length (k tokens, nominal)")
+        a.legend(fontsize=7)
     ax.set_ylabel(f"request tokens/s ({kind})")
-    ax.set_title(f"{cfg.model} CP{cfg.cp} on {cfg.hardware}: {kind}, 90% prefix reuse")
-    lines = ax.get_legend_handles_labels()
-    lines2 = ax2.get_legend_handles_labels()
-    ax.legend(lines[0] + lines2[0], lines[1] + lines2[1], fontsize=8, loc="lower left")
+    fig.suptitle(f"{cfg.model} CP{cfg.cp} on {cfg.hardware} ({kind}): {cfg.sessions} sessions, "
+                 f"{cfg.host_bytes_per_rank / 1e9:g} GB host/GPU, {100 * (1 - cfg.new_fraction):.0f}% reusable")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -13,25 +13,58 @@ def add_parser(sub: argparse._SubParsersAction, int_at_least) -> None:
                    help="real: measured on this machine (default config 'cpu'); model: the GLM-5 / 8xH200 cost model")
     p.add_argument("--config", default=None, help="sweep config name (configs/sweeps) or YAML path")
     p.add_argument("--out", default="out/sweep", help="folder for points.jsonl, table.md, throughput.png")
+    p.add_argument("--map", default=None,
+                   help="also a gain map over length x this axis: 'sessions=8,16,32,64,128' or "
+                        "'host_gb=64,256,1024' (model engine); writes gain_map.png and gain_map.md")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    import json
     from dataclasses import replace
 
     from tqdm import tqdm
 
-    from layersplit.sweep import run_sweep, table, write_outputs
+    from layersplit.sweep import modes_of, run_sweep, table, write_outputs
     from layersplit.sweep_config import load_sweep
 
     name = args.config or ("glm5-h200" if args.engine == "model" else "cpu")
     cfg = load_sweep(name)
     if args.engine and args.engine != cfg.engine:
         cfg = replace(cfg, engine=args.engine)
+    axis = _parse_map(args.map) if args.map else None  # bad input fails before any work
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
-    with tqdm(total=2 * len(cfg.lengths), unit="point", leave=False) as bar:
-        points = run_sweep(cfg, progress=bar.update)
-    paths = write_outputs(points, cfg, Path(args.out))
+    stream = out / "points.jsonl"
+    stream.write_text("")  # points are appended as each length finishes: an interrupted sweep keeps them
+
+    def keep(points: list[dict]) -> None:
+        with stream.open("a") as f:
+            f.write("".join(json.dumps(p) + "\n" for p in points))
+
+    with tqdm(total=len(modes_of(cfg)) * len(cfg.lengths), unit="point", leave=False) as bar:
+        points = run_sweep(cfg, progress=bar.update, on_length=keep)
+    paths = write_outputs(points, cfg, out)
     print(table(points, cfg))
+    if axis:
+        from layersplit.gain_map import run_map
+
+        paths |= run_map(cfg, axis[0], axis[1], out)
+        print(paths["map_table"].read_text())
     print(f"wrote {', '.join(str(p) for p in paths.values())} in {time.perf_counter() - start:.1f} s")
     return 0
+
+
+def _parse_map(text: str) -> tuple[str, list[float]]:
+    """``sessions=8,16,32`` or ``host_gb=64,256,1024``."""
+    axis, _, values = text.partition("=")
+    if axis not in ("sessions", "host_gb") or not values:
+        raise ValueError(f"--map: expected 'sessions=N,N,...' or 'host_gb=G,G,...', got {text!r}")
+    try:
+        parsed = [float(v) for v in values.split(",")]
+    except ValueError:
+        raise ValueError(f"--map: expected numbers after '{axis}=', got {values!r}") from None
+    if any(v <= 0 for v in parsed):
+        raise ValueError(f"--map: expected positive values, got {values!r}")
+    return axis, parsed

@@ -20,8 +20,10 @@ def make_requests(length: int, new_fraction: float, sessions: int, requests: int
 
 
 def capacity(mb: ModeBytes, device_bytes: float, host_bytes: float) -> Capacity:
-    """Tokens per rank in L1 (device budget minus scratch) and L2 (host tier)."""
+    """Tokens per rank in L1 (device budget minus scratch) and L2 (the host tier: this rank's host
+    budget holds its held layers; with a shared host, the ranks' budgets pool into one copy)."""
     l1 = int((device_bytes - mb.scratch_bytes) // mb.bytes_per_token)
     if l1 <= 0:
         raise ValueError(f"device budget: expected more than the scratch ({mb.scratch_bytes} B), got {device_bytes:.0f} B")
-    return Capacity(l1, int(host_bytes // mb.bytes_per_token))
+    host_per_token = mb.host_bytes_per_token or mb.bytes_per_token
+    return Capacity(l1, int(host_bytes * mb.host_pooled_ranks // host_per_token))

@@ -55,3 +55,63 @@ def test_config_errors(tmp_path):
         load_sweep(small(tmp_path, "cpu", lengths=[]))
     with pytest.raises(ConfigError, match="sweep 'nope': expected one of"):
         load_sweep("nope")
+
+
+def test_model_sweep_every_peer_breakdown_and_labels(tmp_path, capsys):
+    """All five modes on one workload; gains over redundant and over upstream's layer split per point;
+    the breakdown adds up to the batch time; the shared host pools the ranks' host budgets; upstream
+    broadcasts the whole pool-sized layer, the row modes only the batch's rows."""
+    points = run(tmp_path, capsys, small(tmp_path, "glm5-h200", lengths=[40000, 120000], requests=96, sessions=24))
+    modes = ["redundant", "redundant-shared-host", "upstream-layersplit", "sglang-plugin", "layersplit"]
+    for length in (40000, 120000):
+        at = {p["mode"]: p for p in points if p["length"] == length}
+        assert list(at) == modes
+        for p in at.values():
+            assert p["kind"] == "modelled" and p["reusable_fraction"] == pytest.approx(0.9)
+            assert p["gain_vs_redundant"] == pytest.approx(
+                100 * (p["request_tokens_per_s"] / at["redundant"]["request_tokens_per_s"] - 1))
+            assert p["gain_vs_upstream"] == pytest.approx(
+                100 * (p["request_tokens_per_s"] / at["upstream-layersplit"]["request_tokens_per_s"] - 1))
+            parts = p["compute_s"] + p["recompute_s"] + p["exposed_reload_s"] + p["exposed_comm_s"]
+            assert parts == pytest.approx(p["seconds"], rel=1e-9)
+            assert abs(p["hit_L1"] + p["hit_L2"] + p["miss"] - 1) < 1e-9
+        assert at["redundant-shared-host"]["l2_tokens_per_rank"] // 8 == at["redundant"]["l2_tokens_per_rank"]  # one copy per node
+        assert at["upstream-layersplit"]["bcast_bytes"] > 5 * at["layersplit"]["bcast_bytes"] > 0
+        assert at["redundant"]["bcast_bytes"] == 0
+        assert at["layersplit"]["l1_tokens_per_rank"] > at["upstream-layersplit"]["l1_tokens_per_rank"]
+    table = (tmp_path / "out" / "table.md").read_text()
+    assert "vs upstream split" in table and "exposed reload" in table and "modelled" in table
+
+
+def test_points_written_as_lengths_finish(tmp_path, capsys, monkeypatch):
+    """An interrupted sweep keeps the lengths it finished: points.jsonl grows length by length."""
+    from layersplit import sweep
+
+    seen = []
+    real = sweep.run_sweep
+
+    def spy(cfg, progress=None, on_length=None):
+        def hook(points):
+            on_length(points)
+            seen.append(len((tmp_path / "out" / "points.jsonl").read_text().splitlines()))
+        return real(cfg, progress, hook)
+
+    monkeypatch.setattr(sweep, "run_sweep", spy)
+    run(tmp_path, capsys, small(tmp_path, "glm5-h200", lengths=[40000, 80000], requests=32, sessions=8))
+    assert seen == [5, 10]
+
+
+def test_gain_map(tmp_path, capsys):
+    cfg = small(tmp_path, "glm5-h200", lengths=[40000, 120000], requests=64, sessions=16)
+    out = tmp_path / "out"
+    assert main(["sweep", "--config", str(cfg), "--out", str(out), "--map", "sessions=8,32"]) == 0
+    rows = [json.loads(line) for line in (out / "gain_map.jsonl").read_text().splitlines()]
+    assert [(r["sessions"], r["length"]) for r in rows] == [(8, 40000), (8, 120000), (32, 40000), (32, 120000)]
+    assert all({"gain_vs_redundant", "gain_vs_upstream-layersplit", "gain_vs_redundant-shared-host"} <= set(r)
+               for r in rows)
+    text = (out / "gain_map.md").read_text()
+    assert "vs upstream-layersplit" in text and text.count("*") >= 2 and "(modelled)" in text
+    assert (out / "gain_map.png").stat().st_size > 20_000
+    capsys.readouterr()
+    assert main(["sweep", "--config", str(cfg), "--out", str(out), "--map", "tokens=1"]) == 2
+    assert "--map: expected 'sessions=N,N,...' or 'host_gb=G,G,...', got 'tokens=1'" in capsys.readouterr().err
