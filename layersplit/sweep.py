@@ -4,7 +4,8 @@ For each request length and mode (:data:`layersplit.capacity.MODES`; the measure
 two the CP engine implements): build the workload, run the serving loop with that mode's tier
 capacities, time its batches with the chosen engine, and aggregate one point. Each point carries its
 gain over redundant CP and over upstream SGLang's layer split, and (model engine) a time breakdown:
-compute, recompute of misses, exposed reload, exposed broadcast. Outputs (``--out``):
+compute, recompute of misses, exposed reload, exposed broadcast. Measured points are the median of
+``repeats`` runs with their spread, and a gain within that spread is flagged. Outputs (``--out``):
 ``points.jsonl`` (written as points finish), ``table.md`` and ``throughput.png``.
 """
 
@@ -95,10 +96,14 @@ def add_gains(points: list[dict]) -> None:
     """``gain_vs_redundant`` / ``gain_vs_upstream`` (percent, request tokens/s) of every point of one
     length; ``gain_pct`` is the first (kept for scripts that read it)."""
     by_mode = {p["mode"]: p["request_tokens_per_s"] for p in points}
+    spread = {p["mode"]: p.get("spread_pct", 0.0) for p in points}
     for p in points:
         p["gain_vs_redundant"] = p["gain_pct"] = 100 * (p["request_tokens_per_s"] / by_mode["redundant"] - 1)
         up = by_mode.get("upstream-layersplit")
         p["gain_vs_upstream"] = 100 * (p["request_tokens_per_s"] / up - 1) if up else None
+        # repeats disagree by more than the gain: the gain is within the noise of this machine
+        p["gain_within_noise"] = p["mode"] != "redundant" and (
+            spread[p["mode"]] + spread["redundant"] >= abs(p["gain_vs_redundant"]))
 
 
 def run_sweep(cfg: SweepConfig, progress=None, on_length=None) -> list[dict]:
@@ -109,8 +114,13 @@ def run_sweep(cfg: SweepConfig, progress=None, on_length=None) -> list[dict]:
         done = []
         for mode in modes_of(cfg):
             mb, cap, loop, batches = plan_point(s, length, mode)
-            done.append(aggregate(length, mode, mb, cap, loop, batches, engine.run(batches, mode), engine.measured,
-                                  1 - cfg.new_fraction))
+            runs = engine.run(batches, mode, cfg.repeats)
+            totals = [sum(x.seconds for x in costs) for costs in runs]
+            median = sorted(range(len(runs)), key=totals.__getitem__)[len(runs) // 2]
+            point = aggregate(length, mode, mb, cap, loop, batches, runs[median], engine.measured, 1 - cfg.new_fraction)
+            point["repeats"], point["seconds_runs"] = len(runs), totals
+            point["spread_pct"] = 100 * (max(totals) - min(totals)) / totals[median]
+            done.append(point)
             if progress:
                 progress(1)
         add_gains(done)
@@ -134,15 +144,20 @@ def table(points: list[dict], cfg: SweepConfig) -> str:
              f"resident, reloaded from host, or recomputed (counted by the serving loop).", "",
              "| length | mode | req tok/s | reusable | L1 | L2 | miss | reloaded/rank (GB) | broadcast (GB) "
              "| compute (s) | recompute (s) | exposed reload (s) | exposed bcast (s) | KV/rank (GB) "
-             "| L1 tokens/rank | batches | vs redundant | vs upstream split |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| L1 tokens/rank | batches | spread | vs redundant | vs upstream split |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for p in points:
         lines.append(f"| {p['length'] // 1000}k | {p['mode']} | {p['request_tokens_per_s']:,.0f} "
                      f"| {p['reusable_fraction']:.0%} | {p['hit_L1']:.0%} | {p['hit_L2']:.0%} | {p['miss']:.0%} "
                      f"| {p['reload_bytes_per_rank'] / 1e9:.3f} | {p['bcast_bytes'] / 1e9:.3f} | {p['compute_s']:.2f} "
                      f"| {p['recompute_s']:.2f} | {p['exposed_reload_s']:.3f} | {p['exposed_comm_s']:.3f} "
                      f"| {p['kv_bytes_per_rank'] / 1e9:.3f} | {p['l1_tokens_per_rank']:,} | {p['batches']} "
-                     f"| {_pct(p['gain_vs_redundant'])} | {_pct(p['gain_vs_upstream'])} |")
+                     f"| {p['spread_pct']:.0f}% of {p['repeats']} | {_pct(p['gain_vs_redundant'])}"
+                     f"{' (within noise)' if p['gain_within_noise'] else ''} | {_pct(p['gain_vs_upstream'])} |")
+    noisy = [p for p in points if p["gain_within_noise"]]
+    if noisy:
+        lines += ["", f"**Warning**: at {', '.join(sorted({str(p['length'] // 1000) + 'k' for p in noisy}))} the spread of "
+                      f"the repeats (max - min over the median) is at least the gain: do not read a gain there."]
     return "\n".join(lines) + "\n"
 
 

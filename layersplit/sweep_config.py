@@ -30,6 +30,7 @@ class SweepConfig:
     max_batch_requests: int
     device_kv_bytes_per_rank: float  # 0: derive from the capacity plan
     host_bytes_per_rank: float
+    repeats: int  # measured engine: runs per point (median and spread reported); the model is deterministic
 
     def scaled(self, tokens: int) -> int:
         return max(1, round(tokens * self.scale))
@@ -53,7 +54,7 @@ def load_sweep(name_or_path: str | Path) -> SweepConfig:
     checks = [("engine", cfg.engine in ENGINES, f"one of {ENGINES}"), ("cp", cfg.cp >= 1, "an integer >= 1"),
               ("new_fraction", 0 < cfg.new_fraction <= 1, "a number in (0, 1]"),
               ("scale", 0 < cfg.scale <= 1, "a number in (0, 1]"), ("sessions", cfg.sessions >= 1, ">= 1"),
-              ("requests", cfg.requests >= 1, ">= 1"), ("kv_dtype", cfg.kv_dtype in ("bf16", "fp8"), "bf16 or fp8")]
+              ("requests", cfg.requests >= 1, ">= 1"), ("repeats", cfg.repeats >= 1, ">= 1"), ("kv_dtype", cfg.kv_dtype in ("bf16", "fp8"), "bf16 or fp8")]
     for field_name, ok, expected in checks:
         if not ok:
             raise ConfigError(f"{path}: field '{field_name}': expected {expected}, got {getattr(cfg, field_name)!r}")

@@ -37,10 +37,13 @@ class RealEngine:
                            max_requests=len(reqs), kv_dtype=self.kv_dtype, trace=True)
         return Scenario(f"batch{i}", reqs, cfg)
 
-    def run(self, batches: list[Batch], mode: str) -> list[BatchCost]:
-        results = run_cp(self.model, [self._scenario(i, b, mode) for i, b in enumerate(batches)], self.cp)
-        return [BatchCost(r.seconds, max(x.bcast_wait_s for x in r.ranks), max(x.reload_bytes for x in r.ranks),
-                          sum(r.ranks[0].bcast_bytes.values())) for r in results]
+    def run(self, batches: list[Batch], mode: str, repeats: int = 1) -> list[list[BatchCost]]:
+        """Each repeat of every batch, in one spawn of the rank processes (repeat-major)."""
+        scenarios = [self._scenario(i, b, mode) for i, b in enumerate(batches)]
+        results = run_cp(self.model, scenarios * repeats, self.cp)
+        costs = [BatchCost(r.seconds, max(x.bcast_wait_s for x in r.ranks), max(x.reload_bytes for x in r.ranks),
+                           sum(r.ranks[0].bcast_bytes.values())) for r in results]
+        return [costs[k * len(batches):(k + 1) * len(batches)] for k in range(repeats)]
 
 
 class ModelEngine:
@@ -49,6 +52,7 @@ class ModelEngine:
     def __init__(self, cost: dict[str, CostModel]) -> None:
         self.cost = cost
 
-    def run(self, batches: list[Batch], mode: str) -> list[BatchCost]:
-        return [self.cost[mode].batch(b) for b in batches]
+    def run(self, batches: list[Batch], mode: str, repeats: int = 1) -> list[list[BatchCost]]:
+        """The model is deterministic: one repeat whatever is asked."""
+        return [[self.cost[mode].batch(b) for b in batches]]
 

@@ -46,6 +46,11 @@ def test_real_engine_default_config_shape(tmp_path, capsys):
     ls = [p for p in points if p["mode"] == "layersplit"][0]
     assert ls["bcast_bytes"] > 0 and ls["request_tokens_per_s"] > 0
     assert sum(ls["batch_sizes"]) == 6
+    for p in points:  # the median of 3 repeats, with their spread
+        runs = sorted(p["seconds_runs"])
+        assert p["repeats"] == 3 and len(runs) == 3 and p["seconds"] == pytest.approx(runs[1])
+        assert p["spread_pct"] == pytest.approx(100 * (runs[2] - runs[0]) / runs[1])
+    assert ls["gain_within_noise"] == (ls["spread_pct"] + points[0]["spread_pct"] >= abs(ls["gain_vs_redundant"]))
 
 
 def test_config_errors(tmp_path):
