@@ -68,8 +68,10 @@ def aggregate(length: int, mode: str, mb, cap, loop, batches, costs, measured: b
         "requests": sum(len(b.served) for b in batches), "seconds": seconds,
         "reload_bytes_per_rank": sum(x.reload_bytes_per_rank for x in costs),
         "bcast_bytes": sum(x.bcast_bytes for x in costs), "exposed_comm_s": sum(x.exposed_comm_s for x in costs),
-        "exposed_reload_s": sum(x.exposed_reload_s for x in costs), "recompute_s": sum(x.recompute_s for x in costs),
-        "compute_s": sum(x.compute_s for x in costs),
+        # the breakdown is the cost model's; the measured engine times waits for broadcasts only
+        "exposed_reload_s": None if measured else sum(x.exposed_reload_s for x in costs),
+        "recompute_s": None if measured else sum(x.recompute_s for x in costs),
+        "compute_s": None if measured else sum(x.compute_s for x in costs),
         "l1_tokens_per_rank": cap.l1_tokens, "l2_tokens_per_rank": cap.l2_tokens,
         "kv_bytes_per_rank": cap.l1_tokens * mb.bytes_per_token + mb.scratch_bytes,
         "peak_l1_tokens": loop.peak_l1, "batch_sizes": [len(b.served) for b in batches],
@@ -134,6 +136,10 @@ def _pct(x) -> str:
     return "-" if x is None else f"{x:+.0f}%"
 
 
+def _s(x, digits: int = 2) -> str:
+    return "-" if x is None else f"{x:.{digits}f}"
+
+
 def table(points: list[dict], cfg: SweepConfig) -> str:
     kind = points[0]["kind"]
     scale = f", token counts scaled x{cfg.scale:g}" if cfg.scale != 1 else ""
@@ -149,14 +155,14 @@ def table(points: list[dict], cfg: SweepConfig) -> str:
     for p in points:
         lines.append(f"| {p['length'] // 1000}k | {p['mode']} | {p['request_tokens_per_s']:,.0f} "
                      f"| {p['reusable_fraction']:.0%} | {p['hit_L1']:.0%} | {p['hit_L2']:.0%} | {p['miss']:.0%} "
-                     f"| {p['reload_bytes_per_rank'] / 1e9:.3f} | {p['bcast_bytes'] / 1e9:.3f} | {p['compute_s']:.2f} "
-                     f"| {p['recompute_s']:.2f} | {p['exposed_reload_s']:.3f} | {p['exposed_comm_s']:.3f} "
+                     f"| {p['reload_bytes_per_rank'] / 1e9:.3f} | {p['bcast_bytes'] / 1e9:.3f} | {_s(p['compute_s'])} "
+                     f"| {_s(p['recompute_s'])} | {_s(p['exposed_reload_s'], 3)} | {p['exposed_comm_s']:.3f} "
                      f"| {p['kv_bytes_per_rank'] / 1e9:.3f} | {p['l1_tokens_per_rank']:,} | {p['batches']} "
                      f"| {p['spread_pct']:.0f}% of {p['repeats']} | {_pct(p['gain_vs_redundant'])}"
                      f"{' (within noise)' if p['gain_within_noise'] else ''} | {_pct(p['gain_vs_upstream'])} |")
     noisy = [p for p in points if p["gain_within_noise"]]
     if noisy:
-        lines += ["", f"**Warning**: at {', '.join(sorted({str(p['length'] // 1000) + 'k' for p in noisy}))} the spread of "
+        lines += ["", f"**Warning**: at {', '.join(f'{n // 1000}k' for n in sorted({p['length'] for p in noisy}))} the spread of "
                       f"the repeats (max - min over the median) is at least the gain: do not read a gain there."]
     return "\n".join(lines) + "\n"
 
