@@ -104,7 +104,7 @@ def add_gains(points: list[dict]) -> None:
         up = by_mode.get("upstream-layersplit")
         p["gain_vs_upstream"] = 100 * (p["request_tokens_per_s"] / up - 1) if up else None
         # repeats disagree by more than the gain: the gain is within the noise of this machine
-        p["gain_within_noise"] = p["mode"] != "redundant" and (
+        p["gain_within_noise"] = p.get("repeats", 1) > 1 and p["mode"] != "redundant" and (
             spread[p["mode"]] + spread["redundant"] >= abs(p["gain_vs_redundant"]))
 
 
