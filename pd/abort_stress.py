@@ -1,22 +1,29 @@
-"""PD abort stress: abort storms over a faulty control channel and a transfer engine whose writes
-cannot be cancelled, with the safe-release protocol on (default) or the legacy immediate release.
+"""PD abort stress: abort storms against LayerSplit prefill ranks, over a lossy control channel and a
+transfer engine whose writes cannot be cancelled, with the safe-release protocol on (default) or the
+legacy immediate release. A **discrete-event simulation** (virtual time); all randomness comes from
+one seed, so every run — and every race it finds — replays exactly.
 
-Checks: (1) the invariant checker — every landing write must hit a page whose current
-(owner, generation) is the writer's; (2) a checksum of every successful request's KV when decode
-starts; (3) a final leak check — every page is free or held by a request decode still tracks.
-All randomness comes from one seed; the run is a discrete-event simulation (virtual time).
+Checks: (1) the invariant checker — every landing write must hit a page whose current (room,
+generation) is the writer's, and every free must come from the page's owner; (2) a checksum of every
+layer of every successful request's KV when decode starts, and of every source page a write reads;
+(3) end-of-run accounting — every page free or held by a request still tracked, no request still
+held, no quarantined page freed. ``failures(report)`` lists what a safe run must never show.
 """
 
 from __future__ import annotations
 
-import random
-from dataclasses import asdict, dataclass, field
+import math
+from dataclasses import dataclass, field
 
-from pd.channel import ChannelFaults, ControlChannel
-from pd.decode_side import FAILED, DecodeConfig, DecodeNode, DecodeRequest
-from pd.prefill_side import PrefillConfig, PrefillNode
-from pd.sim import EventLoop
-from pd.transfer_engine import EngineFaults, TransferEngine
+from pd.channel import ChannelFaults
+from pd.cluster import PDCluster
+from pd.decode_side import DecodeConfig
+from pd.prefill_side import PrefillConfig
+from pd.topology import PrefillTopology
+from pd.transfer_engine import EngineFaults
+
+MUST_BE_ZERO = ("overwrites", "bad_frees", "source_stale_reads", "checksum_mismatches", "leaked_pages",
+                "prefill_leaked_pages", "requests_still_held", "quarantined_pages_freed")
 
 
 @dataclass(frozen=True)
@@ -24,81 +31,86 @@ class PDStressConfig:
     requests: int = 1000
     seed: int = 0
     legacy_immediate_release: bool = False
-    prefill_peers: int = 2  # each request's KV comes from this many prefill workers
+    topology: PrefillTopology = PrefillTopology(((0, 1, 2, 3), (4, 5, 6, 7)))  # LayerSplit ownership, as data
     max_retries: int = 2  # the router retries an aborted request (same rid, new room)
     retry_backoff_s: float = 0.05
     mean_arrival_s: float = 0.015
     min_pages: int = 1
     max_pages: int = 8
+    cancel: float = 0.03  # probability a client cancels a request (half of those are aborted twice)
+    cancel_within_s: float = 1.5
+    restart_mean_s: float | None = 60.0  # per rank, mean virtual time between crashes (None: never)
+    restart_down_s: tuple[float, float] = (0.2, 1.5)
+    kill: tuple[tuple[int, float], ...] = ()  # (rank, time): crash and never come back (a dead peer)
     channel: ChannelFaults = field(default_factory=lambda: ChannelFaults(drop=0.05, duplicate=0.05))
     engine: EngineFaults = field(default_factory=lambda: EngineFaults(slow_write=0.02, error=0.02))
     prefill: PrefillConfig = field(default_factory=lambda: PrefillConfig(straggler=0.05))
     decode: DecodeConfig = field(default_factory=DecodeConfig)
     until_s: float | None = None  # stop the clock here (None: run until no event is left)
 
-
-class PDCluster:
-    """One decode worker and ``prefill_peers`` prefill workers wired through the faulty channel."""
-
-    def __init__(self, cfg: PDStressConfig) -> None:
-        self.cfg = cfg
-        root = random.Random(cfg.seed)
-        self.loop = EventLoop()
-        self.channel = ControlChannel(self.loop, random.Random(root.getrandbits(64)), cfg.channel)
-        decode_cfg = DecodeConfig(**{**asdict(cfg.decode), "legacy_immediate_release": cfg.legacy_immediate_release})
-        self.rng = random.Random(root.getrandbits(64))
-        self.decode = DecodeNode(self.loop, random.Random(root.getrandbits(64)), decode_cfg,
-                                 lambda peer, msg: self.channel.send("decode", f"prefill{peer}", msg),
-                                 lambda rid: tuple(range(cfg.prefill_peers)), self._finished)
-        self.channel.register("decode", self.decode.handle)
-        self.prefills = []
-        for k in range(cfg.prefill_peers):
-            engine = TransferEngine(self.loop, random.Random(root.getrandbits(64)), self.decode.kv.land, cfg.engine)
-            node = PrefillNode(k, self.loop, random.Random(root.getrandbits(64)), cfg.prefill, engine,
-                               lambda msg, k=k: self.channel.send(f"prefill{k}", "decode", msg))
-            self.channel.register(f"prefill{k}", node.handle)
-            self.prefills.append(node)
-        self._room = 0
-        self.attempts: dict[int, int] = {}
-        self.retries = 0
-
-    def submit(self, rid: int) -> None:
-        self._room += 1
-        self.attempts[rid] = self.attempts.get(rid, 0) + 1
-        self.decode.submit(rid, self._room, self.rng.randint(self.cfg.min_pages, self.cfg.max_pages))
-
-    def _finished(self, req: DecodeRequest) -> None:
-        if req.state == FAILED and self.attempts[req.rid] <= self.cfg.max_retries:
-            self.retries += 1
-            self.loop.after(self.cfg.retry_backoff_s * self.attempts[req.rid], self.submit, req.rid)
-
-    def leaked_pages(self) -> int:
-        held = {p for r in self.decode.reqs.values() for p in r.pages}
-        free = set(self.decode.kv.free_pages)
-        return sum(1 for p in range(self.cfg.decode.num_pages) if p not in held and p not in free)
+    def __post_init__(self) -> None:
+        if self.requests < 1:
+            raise ValueError(f"requests: expected an integer >= 1, got {self.requests}")
+        if not 0 <= self.cancel < 1:
+            raise ValueError(f"cancel: expected a probability in [0, 1), got {self.cancel}")
+        if self.restart_mean_s is not None and self.restart_mean_s <= 0:
+            raise ValueError(f"restart_mean_s: expected seconds > 0 (or None: no restarts), got {self.restart_mean_s}")
+        for rank, _ in self.kill:
+            if rank not in self.topology.ranks:
+                raise ValueError(f"kill: expected ranks in {self.topology.ranks}, got {rank}")
 
 
 def run_pd_stress(cfg: PDStressConfig) -> dict:
-    """Run the storm; returns the report (counts only, JSON-ready)."""
+    """Run the storm; returns the report (counts and virtual-time latencies, JSON-ready)."""
     cluster = PDCluster(cfg)
     t = 0.0
     for rid in range(cfg.requests):
         t += cluster.rng.expovariate(1.0 / cfg.mean_arrival_s)
         cluster.loop.after(t, cluster.submit, rid)
+    cluster.schedule_faults(until=t)
     cluster.loop.run(cfg.until_s)
-    d = cluster.decode
+    return _report(cfg, cluster)
+
+
+def _report(cfg: PDStressConfig, cluster: PDCluster) -> dict:
+    d, prefills = cluster.decode, cluster.prefills
     return {
         "requests": cfg.requests, "seed": cfg.seed, "legacy_immediate_release": cfg.legacy_immediate_release,
-        "incarnations": cluster._room, "retries": cluster.retries, "success": d.stats["success"],
-        "aborts": d.stats["aborts"], "abort_sends": d.stats["abort_sends"],
-        "abort_resends": d.stats["abort_sends"] - d.stats["aborts"] * cfg.prefill_peers * (not cfg.legacy_immediate_release),
-        "acks": d.stats["acks"],
+        "prefill_cp": len(prefills), "layers": cfg.topology.num_layers,
+        "layers_by_rank": [list(layers) for layers in cfg.topology.layers_by_rank],
+        "rooms": cluster.rooms, "retries": cluster.retries, "outcomes": dict(cluster.outcomes),
+        **{k: d.stats[k] for k in ("success", "aborts", "aborts_ignored", "released_at_once", "abort_sends",
+                                   "abort_resends", "acks", "acks_from_restarted_rank", "transfer_resends")},
+        "aborts_by_reason": dict(sorted(d.abort_reasons.items())),
         "stale_acks_ignored": d.stats["stale_acks"], "late_messages_ignored": d.stats["late_messages"],
-        "late_transfers_rejected": sum(p.stats["rejected_late"] for p in cluster.prefills),
-        "quarantines": d.stats["quarantines"], "quarantined_pages_at_end": d.quarantined_pages,
-        "overwrites": len(d.kv.overwrites), "checksum_mismatches": d.stats["checksum_mismatches"],
-        "leaked_pages": cluster.leaked_pages(), "requests_still_held": len(d.reqs),
+        "abort_to_release_s": percentiles(d.release_latencies),
+        **{f"prefill_{k}": sum(p.stats[k] for p in prefills)
+           for k in ("rejected_late", "wrong_incarnation", "crashes", "lost_while_down")},
+        "peak_prefill_records": max(p.peak_records for p in prefills),
+        "peak_prefill_tombstones": max(p.peak_tombstones for p in prefills),
+        "prefill_records_at_end": max(len(p.book.records) for p in prefills),
+        "quarantines": d.stats["quarantines"], "quarantine_released": d.stats["quarantine_released"],
+        "quarantined_pages_at_end": d.quarantined_pages, "quarantined_pages_freed": d.stats["quarantined_pages_freed"],
+        "overwrites": len(d.kv.overwrites), "bad_frees": len(d.kv.bad_frees) + sum(len(p.kv.bad_frees) for p in prefills),
+        "source_stale_reads": sum(len(p.kv.stale_reads) for p in prefills),
+        "checksum_mismatches": d.stats["checksum_mismatches"],
+        "leaked_pages": cluster.leaked_pages(), "prefill_leaked_pages": cluster.prefill_leaked_pages(),
+        "requests_still_held": len(d.reqs),
         "channel": dict(cluster.channel.stats),
-        "engine": {k: sum(p.engine.stats[k] for p in cluster.prefills) for k in ("batches", "writes", "errors")},
+        "engine": {k: sum(p.engine.stats[k] for p in prefills) for k in ("batches", "writes", "errors")},
         "sim_seconds": cluster.loop.now,
     }
+
+
+def percentiles(values: list[float]) -> dict:
+    """p50 / p99 / max by the nearest-rank method (None when there is nothing to rank)."""
+    if not values:
+        return {"n": 0, "p50": None, "p99": None, "max": None}
+    ranked = sorted(values)
+    at = lambda q: ranked[max(0, math.ceil(q * len(ranked)) - 1)]  # noqa: E731
+    return {"n": len(ranked), "p50": round(at(0.50), 4), "p99": round(at(0.99), 4), "max": round(ranked[-1], 4)}
+
+
+def failures(report: dict) -> list[str]:
+    """What a safe run must never show; the CLI exits non-zero when this is not empty."""
+    return [f"{key}={report[key]}" for key in MUST_BE_ZERO if report[key]]

@@ -1,8 +1,14 @@
-"""Control messages between a decode worker and its prefill peers, with their SGLang counterparts.
+"""Control messages between a decode worker and its prefill ranks, with their SGLang counterparts.
 
 ``room`` identifies one incarnation of a request (SGLang's bootstrap room); a request id (``rid``)
 may be reused by a retry, the room never is. ``token`` is drawn at random for each abort, so an ack
 can only release the abort it answers.
+
+Decode numbers the rooms it announces with increasing **epochs** and piggybacks, on every message to
+a rank, that rank's **floor**: every epoch below it is closed (decode will never again wait on that
+rank for it), so the rank may forget those rooms and must reject anything below the floor. Each
+prefill process has an **incarnation** (bumped by a restart); a ``TransferRequest`` is addressed to
+the incarnation decode resolved at bootstrap, and only that process may act on it.
 """
 
 from __future__ import annotations
@@ -12,15 +18,17 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class TransferRequest:
-    """decode -> prefill: write the KV of ``rid`` into these decode pages (SGLang: the decode
-    receiver sends its KV indices to the prefill sender during bootstrap)."""
+    """decode -> prefill rank: write the layers you own of ``rid`` into these decode pages (SGLang: the decode
+    receiver sends its KV indices to the prefill sender once bootstrapped). Re-sent as a status poll;
+    it is idempotent."""
 
     rid: int
     room: int
-    pages: tuple[int, ...]
+    epoch: int
+    incarnation: int  # the prefill process this is addressed to
+    floor: int
+    pages: tuple[int, ...]  # decode page of request page i
     generations: tuple[int, ...]  # the pages' allocation generations (carried for the invariant checker)
-    first_index: int = 0  # this peer writes request pages first_index, first_index + stride, ...
-    stride: int = 1
 
 
 @dataclass(frozen=True)
@@ -34,7 +42,8 @@ class TransferStarted:
 
 @dataclass(frozen=True)
 class TransferDone:
-    """prefill -> decode: all of this peer's writes completed (``KVPoll.Success`` once every peer says so)."""
+    """prefill -> decode: all of this rank's writes landed and none will be posted again
+    (``KVPoll.Success`` once every rank says so)."""
 
     rid: int
     room: int
@@ -52,19 +61,23 @@ class TransferFailed:
 
 @dataclass(frozen=True)
 class Abort:
-    """decode -> prefill: the abort notification; retried on a timer until acknowledged."""
+    """decode -> prefill rank: the abort notification; re-sent with backoff until acknowledged."""
 
     rid: int
     room: int
     token: int
+    epoch: int
+    floor: int
 
 
 @dataclass(frozen=True)
 class AbortAck:
-    """prefill -> decode: "safe to release" — this peer's writes for ``room`` never started or all
-    completed, and none will be posted again (the room is tombstoned)."""
+    """prefill -> decode: "safe to release" — this rank's writes for ``room`` never started or all
+    landed, and none will be posted again (the room is tombstoned, or below the floor). A process
+    answers only once every write of its previous lives has drained, so the ack covers the rank."""
 
     rid: int
     room: int
     token: int
     peer: int
+    incarnation: int = 0

@@ -1,22 +1,32 @@
-"""Prefill worker: posts a request's KV writes, counts the ones in flight (a lease per request),
-and answers an abort with "safe to release" only once that count is zero.
+"""Prefill CP rank: a process (an *incarnation*) that may crash and restart, and its NIC (the engine).
 
-On ``Abort(token)`` it stops posting, tombstones the room (a late or duplicated ``TransferRequest``
-for it is rejected, so no write for it is ever posted again), and replies ``AbortAck(token)`` as
-soon as every posted write has *landed* — a batch that reported an error still counts until its
-writes quiesce. An abort for a room it never saw is acknowledged at once (nothing was posted, and
-the tombstone keeps it that way).
+The rank owns some layers (LayerSplit); for each ``TransferRequest`` it allocates source pages, runs
+the forward pass (its last owned layer is ready ``fraction`` of the way through) and posts writes of
+its layers into decode's pages, counting the batches in flight (a lease per request).
+
+On ``Abort(token)`` it stops posting and replies ``AbortAck(token)`` once every posted write has
+*landed* — a batch that reported an error still counts until its writes quiesce. A room it has no
+record of is answered at once and tombstoned (so a late ``TransferRequest`` for it is rejected);
+below decode's floor it needs no tombstone (see ``pd.room_book``). Source pages are freed only when
+the forward is over and the last write reading them drained.
+
+A restarted process has lost all of that state. It therefore (1) rejects ``TransferRequest``s
+addressed to another incarnation — the duplicates its previous life would have recognised — and
+(2) serves nothing, not even aborts, until every write its previous lives posted has drained:
+"never saw it" must hold for the whole rank, not just for this process.
 """
 
 from __future__ import annotations
 
-import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
-from pd.decode_side import page_payload
+from pd.bootstrap import BootstrapRegistry
 from pd.messages import Abort, AbortAck, TransferDone, TransferFailed, TransferRequest, TransferStarted
+from pd.prefill_kv import PrefillKV, SourceRead
+from pd.room_book import RoomBook
 from pd.sim import EventLoop
+from pd.topology import PrefillTopology
 from pd.transfer_engine import TransferEngine, WriteTag
 
 
@@ -24,95 +34,217 @@ from pd.transfer_engine import TransferEngine, WriteTag
 class PrefillConfig:
     min_compute_s: float = 0.01
     max_compute_s: float = 0.5
-    straggler: float = 0.0  # probability the compute takes up to straggler_s (beyond decode's timeout)
+    straggler: float = 0.0  # probability the forward takes up to straggler_s (beyond decode's timeout)
     straggler_s: float = 3.0
-    pages_per_batch: int = 2  # writes are posted in batches, layer group by layer group
+    pages_per_batch: int = 2  # writes are posted in batches
     batch_gap_s: float = 0.01
+    source_pages: int = 1024  # the rank's own KV pool: what its writes read from
+    compute_seed: int = 0  # seeds each room's forward time, which every CP rank shares
 
 
-@dataclass
+def forward_time(cfg: PrefillConfig, room: int) -> float:
+    """The room's whole forward pass: the CP ranks run it together, so every rank draws the same time."""
+    u, v = _unit(cfg.compute_seed, room, 0), _unit(cfg.compute_seed, room, 1)
+    if v >= cfg.straggler:
+        return cfg.min_compute_s + u * (cfg.max_compute_s - cfg.min_compute_s)
+    return cfg.max_compute_s + u * (cfg.straggler_s - cfg.max_compute_s)
+
+
+def _unit(seed: int, room: int, k: int) -> float:
+    """A uniform draw in [0, 1) fixed by (seed, room, k): splitmix64, so no rank needs shared state."""
+    mask = (1 << 64) - 1
+    z = (hash((seed, room, k)) + 0x9E3779B97F4A7C15) & mask
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
+    return (z ^ (z >> 31)) / 2**64
+
+
+@dataclass(eq=False)
 class PrefillRequest:
-    rid: int
-    room: int
-    pages: tuple[int, ...]
     msg: TransferRequest
+    incarnation: int  # the process that accepted it; callbacks of a dead process do nothing
+    sources: list[int] = field(default_factory=list)
+    source_tags: tuple[WriteTag, ...] = ()
+    computing: bool = False
     lease: int = 0  # posted batches whose writes have not all landed
     aborted: bool = False
     token: int | None = None
     failed: bool = False
     posted_all: bool = False
+    done: bool = False
 
 
 class PrefillNode:
-    def __init__(self, peer: int, loop: EventLoop, rng: random.Random, cfg: PrefillConfig, engine: TransferEngine,
-                 send: Callable[[object], None]) -> None:
-        self.peer, self.loop, self.rng, self.cfg, self.engine, self.send = peer, loop, rng, cfg, engine, send
-        self.reqs: dict[int, PrefillRequest] = {}
-        self.tombstones: set[int] = set()
-        self.stats = {"rejected_late": 0, "duplicates": 0, "acks_sent": 0}
+    """Prefill CP rank ``rank`` of ``topology``: writes through ``engine``, answers decode via ``send``."""
 
+    def __init__(self, rank: int, loop: EventLoop, cfg: PrefillConfig, engine: TransferEngine,
+                 send: Callable[[object], None], topology: PrefillTopology, registry: BootstrapRegistry) -> None:
+        self.peer, self.loop, self.cfg, self.engine, self.send = rank, loop, cfg, engine, send
+        self.layers, self.fraction = topology.layers_by_rank[rank], topology.last_layer_fraction(rank)
+        self.registry = registry
+        self.incarnation, self.alive, self.up = 0, True, False
+        self.stats = dict.fromkeys(("rejected_late", "wrong_incarnation", "duplicates", "acks_sent",
+                                    "lost_while_down", "crashes"), 0)
+        self._past_peaks = (0, 0)
+        self._start_life()
+        self._serve(0)
+
+    # process life ------------------------------------------------------------------------------------
+    def _start_life(self) -> None:
+        self.book = RoomBook()
+        self.kv = PrefillKV(self.cfg.source_pages)
+        self.queue: list[PrefillRequest] = []  # accepted, waiting for source pages
+
+    def crash(self) -> None:
+        """The process dies: its state is lost; writes it posted keep landing (the NIC drains them)."""
+        self._past_peaks = (self.peak_records, self.peak_tombstones)
+        self.alive = self.up = False
+        self.registry.unregister(self.peer)
+        self.stats["crashes"] += 1
+
+    def restart(self) -> None:
+        """A new process, incarnation + 1, with empty state; it serves once the old writes drained."""
+        assert not self.alive, "restart of a live process"
+        self.incarnation += 1
+        self.alive = True
+        self._start_life()
+        self._await_old_writes(self.incarnation)
+
+    def _await_old_writes(self, incarnation: int) -> None:
+        self.engine.when_drained(lambda owner: owner < incarnation, lambda: self._serve(incarnation))
+
+    def _serve(self, incarnation: int) -> None:
+        if incarnation != self.incarnation or not self.alive:
+            return  # crashed again while waiting
+        self.up = True
+        self.registry.register(self.peer, incarnation)
+
+    def _live(self, req: PrefillRequest) -> bool:
+        return self.alive and req.incarnation == self.incarnation
+
+    @property
+    def peak_records(self) -> int:
+        return max(self._past_peaks[0], self.book.peak_records)
+
+    @property
+    def peak_tombstones(self) -> int:
+        return max(self._past_peaks[1], self.book.peak_tombstones)
+
+    # messages from decode ----------------------------------------------------------------------------
     def handle(self, msg: object) -> None:
+        if not self.up:
+            self.stats["lost_while_down"] += 1
+            return
+        self.book.advance(msg.floor)
         if isinstance(msg, TransferRequest):
             self._on_transfer(msg)
         elif isinstance(msg, Abort):
             self._on_abort(msg)
 
     def _on_transfer(self, msg: TransferRequest) -> None:
-        if msg.room in self.tombstones:
-            self.stats["rejected_late"] += 1  # the request was aborted: never write for it again
+        if not self._addressed_here(msg):
+            self.stats["wrong_incarnation"] += 1  # meant for a previous life, whose records are gone
             return
-        if msg.room in self.reqs:
-            self.stats["duplicates"] += 1
+        if self.book.below_floor(msg.epoch) or msg.room in self.book.tombstones:
+            self.stats["rejected_late"] += 1  # closed or aborted: never write for it again
             return
-        req = PrefillRequest(msg.rid, msg.room, msg.pages, msg)
-        self.reqs[msg.room] = req
-        c = self.cfg
-        compute = (self.rng.uniform(c.min_compute_s, c.max_compute_s) if self.rng.random() >= c.straggler
-                   else self.rng.uniform(c.max_compute_s, c.straggler_s))
-        self.loop.after(compute, self._post, req, 0)
+        req = self.book.records.get(msg.room)
+        if req is not None:
+            return self._repeat(req)
+        req = PrefillRequest(msg, self.incarnation)
+        self.book.add_record(msg.epoch, msg.room, req)
+        self.queue.append(req)
+        self._start_queued()
 
-    def _post(self, req: PrefillRequest, start: int) -> None:
-        if req.aborted or req.failed:
-            return  # stop posting
-        if start == 0:
-            self.send(TransferStarted(req.rid, req.room, self.peer))
-        chunk = list(range(start, min(start + self.cfg.pages_per_batch, len(req.pages))))
-        pages = [req.pages[i] for i in chunk]
-        tags = [WriteTag(req.room, req.msg.generations[i]) for i in chunk]
-        payloads = [page_payload(req.room, req.msg.first_index + i * req.msg.stride) for i in chunk]
-        req.lease += 1
-        self.engine.post(pages, tags, payloads, lambda b, s: self._on_status(req, s),
-                         lambda b: self._on_quiesced(req))
-        if chunk and chunk[-1] + 1 < len(req.pages):
-            self.loop.after(self.cfg.batch_gap_s, self._post, req, chunk[-1] + 1)
-        else:
-            req.posted_all = True
+    def _addressed_here(self, msg: TransferRequest) -> bool:
+        return msg.incarnation == self.incarnation
 
-    def _on_status(self, req: PrefillRequest, status: str) -> None:
-        if status == "failed" and not req.aborted and not req.failed:
-            req.failed = True  # stop posting; decode will abort; the lease still counts in-flight writes
-            self.send(TransferFailed(req.rid, req.room, self.peer))
-
-    def _on_quiesced(self, req: PrefillRequest) -> None:
-        req.lease -= 1
-        if req.lease == 0:
-            if req.aborted:
-                self._ack(req)
-            elif req.posted_all and not req.failed:
-                self.send(TransferDone(req.rid, req.room, self.peer))
-                self.tombstones.add(req.room)  # finished: a late duplicate request must not rewrite
+    def _repeat(self, req: PrefillRequest) -> None:
+        """A repeated request (decode's poll, or a duplicate): answer again, never post again."""
+        self.stats["duplicates"] += 1
+        if req.done:
+            self.send(TransferDone(req.msg.rid, req.msg.room, self.peer))
+        elif req.failed and not req.aborted:
+            self.send(TransferFailed(req.msg.rid, req.msg.room, self.peer))
 
     def _on_abort(self, msg: Abort) -> None:
-        self.tombstones.add(msg.room)
-        req = self.reqs.get(msg.room)
-        if req is None:  # never saw the request: nothing posted, and the tombstone keeps it so
-            self.stats["acks_sent"] += 1
-            self.send(AbortAck(msg.rid, msg.room, msg.token, self.peer))
-            return
+        req = self.book.records.get(msg.room)
+        if req is None:  # never saw it: nothing posted by this life, and earlier lives drained before we served
+            if not self.book.below_floor(msg.epoch):
+                self.book.add_tombstone(msg.epoch, msg.room)  # a late TransferRequest must be rejected
+            return self._send_ack(msg.rid, msg.room, msg.token)
         req.aborted, req.token = True, msg.token
-        if req.lease == 0:
-            self._ack(req)
+        if req in self.queue:
+            self.queue.remove(req)
+        if req.lease == 0:  # no write in flight, and none will be posted
+            self._send_ack(msg.rid, msg.room, msg.token)
+            self._settle(req)
 
-    def _ack(self, req: PrefillRequest) -> None:
+    def _send_ack(self, rid: int, room: int, token: int) -> None:
         self.stats["acks_sent"] += 1
-        self.send(AbortAck(req.rid, req.room, req.token, self.peer))
+        self.send(AbortAck(rid, room, token, self.peer, self.incarnation))
+
+    # forward and writes ------------------------------------------------------------------------------
+    def _start_queued(self) -> None:
+        while self.queue:
+            req = self.queue[0]
+            pages = self.kv.alloc(len(req.msg.pages), req.msg.room)
+            if pages is None:
+                return
+            self.queue.pop(0)
+            req.sources, req.source_tags, req.computing = pages, self.kv.tags(pages), True
+            self.kv.fill(pages, req.msg.room)
+            self.loop.after(forward_time(self.cfg, req.msg.room) * self.fraction, self._computed, req)
+
+    def _computed(self, req: PrefillRequest) -> None:
+        if not self._live(req):
+            return
+        req.computing = False
+        if req.aborted:
+            return self._settle(req)  # acked at abort time; now the forward no longer touches the sources
+        self.send(TransferStarted(req.msg.rid, req.msg.room, self.peer))
+        self._post(req, 0)
+
+    def _post(self, req: PrefillRequest, start: int) -> None:
+        if not self._live(req) or req.aborted or req.failed:
+            return  # stop posting; the lease still counts the writes in flight
+        msg, end = req.msg, min(start + self.cfg.pages_per_batch, len(req.msg.pages))
+        index = range(start, end)
+        req.lease += 1
+        self.engine.post([(msg.pages[i], self.layers) for i in index],
+                         [WriteTag(msg.room, msg.generations[i]) for i in index],
+                         [SourceRead(self.kv, req.sources[i], req.source_tags[i]) for i in index],
+                         lambda b, s: self._on_status(req, s), lambda b: self._on_quiesced(req), owner=self.incarnation)
+        if end < len(msg.pages):
+            self.loop.after(self.cfg.batch_gap_s, self._post, req, end)
+        else:
+            req.posted_all = True
+            self._settle(req)
+
+    def _on_status(self, req: PrefillRequest, status: str) -> None:
+        if self._live(req) and status == "failed" and not req.aborted and not req.failed:
+            req.failed = True  # stop posting; decode will abort; the lease still counts in-flight writes
+            self.send(TransferFailed(req.msg.rid, req.msg.room, self.peer))
+
+    def _on_quiesced(self, req: PrefillRequest) -> None:
+        if not self._live(req):
+            return
+        req.lease -= 1
+        if req.lease:
+            return
+        if req.aborted:
+            self._send_ack(req.msg.rid, req.msg.room, req.token)
+        elif req.posted_all and not req.failed:
+            req.done = True  # its record now answers repeats with TransferDone and rejects re-posting
+            self.send(TransferDone(req.msg.rid, req.msg.room, self.peer))
+        self._settle(req)
+
+    def _settle(self, req: PrefillRequest) -> None:
+        """Free the source pages once nothing can read them: no more posting, forward over, writes drained."""
+        if req.sources and (req.aborted or req.failed or req.posted_all) and self._sources_drained(req):
+            self.kv.free(req.sources, req.source_tags)
+            req.sources = []
+            self._start_queued()
+
+    def _sources_drained(self, req: PrefillRequest) -> bool:
+        return req.lease == 0 and not req.computing

@@ -21,8 +21,9 @@ class EventLoop:
 
     def run(self, until: float | None = None) -> None:
         """Process events in time order (FIFO among equal times) until none is left (or ``until``)."""
-        while self._queue and (until is None or self._queue[0][0] <= until):
-            self.now, _, fn, args = heapq.heappop(self._queue)
+        queue, pop = self._queue, heapq.heappop  # local names: this loop runs millions of times
+        while queue and (until is None or queue[0][0] <= until):
+            self.now, _, fn, args = pop(queue)
             fn(*args)
 
     @property

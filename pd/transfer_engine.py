@@ -5,20 +5,25 @@ batch has a status (``pending`` / ``done`` / ``failed``) for polling. An injecte
 status ``failed`` *before* the remaining writes have landed — as a NIC may report a failed work
 request while earlier-posted data is still in flight — so only ``on_quiesced`` (every write of the
 batch landed) says the pages are no longer being written.
+
+The engine is the NIC: it outlives the process that posted a batch. Each batch names its ``owner``
+(a prefill process incarnation) and ``when_drained`` tells a restarted process when every write
+its previous lives posted has landed. A payload may be a zero-argument callable (a source-page
+read): it is called when the write lands, because the NIC reads local memory when it transmits.
 """
 
 from __future__ import annotations
 
 import random
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Hashable, NamedTuple
 
 from pd.sim import EventLoop
 
 
-@dataclass(frozen=True)
-class WriteTag:
-    """Who a write belongs to: the request incarnation and the page generation it was given."""
+class WriteTag(NamedTuple):
+    """Who a write belongs to: the request incarnation and the page generation it was given.
+    (A named tuple: every landing write compares one, so equality must be cheap.)"""
 
     room: int
     generation: int
@@ -38,13 +43,16 @@ class TransferEngine:
         self.loop, self.rng, self.land, self.faults = loop, rng, land, faults
         self._status: dict[int, str] = {}
         self._next = 0
+        self._in_flight: dict[Hashable, int] = {}  # owner -> batches not yet quiesced
+        self._drain_waiters: list[tuple[Callable[[Hashable], bool], Callable[[], None]]] = []
         self.stats = {"batches": 0, "writes": 0, "errors": 0}
 
-    def post(self, pages: list[int], tags: list[WriteTag], payloads: list[int],
-             on_status: Callable[[int, str], None], on_quiesced: Callable[[int], None]) -> int:
+    def post(self, pages: list, tags: list[WriteTag], payloads: list,
+             on_status: Callable[[int, str], None], on_quiesced: Callable[[int], None], owner: Hashable = None) -> int:
         """Post one batch of page writes; returns its id. Callbacks: status change, all writes landed."""
         batch, self._next = self._next, self._next + 1
         self._status[batch] = "pending"
+        self._in_flight[owner] = self._in_flight.get(owner, 0) + 1
         self.stats["batches"] += 1
         f = self.faults
         times = [self.rng.uniform(f.min_write_s, f.max_write_s) if self.rng.random() >= f.slow_write
@@ -52,15 +60,12 @@ class TransferEngine:
         last = max(times, default=0.0)
         remaining = [len(pages)]
 
-        def write(page: int, tag: WriteTag, payload: int) -> None:
+        def write(page, tag: WriteTag, payload) -> None:
             self.stats["writes"] += 1
-            self.land(page, tag, payload)
+            self.land(page, tag, payload() if callable(payload) else payload)
             remaining[0] -= 1
             if remaining[0] == 0:
-                if self._status[batch] == "pending":
-                    self._status[batch] = "done"
-                    on_status(batch, "done")
-                on_quiesced(batch)
+                self._quiesce(batch, owner, on_status, on_quiesced)
 
         for page, tag, payload, t in zip(pages, tags, payloads, times):
             self.loop.after(t, write, page, tag, payload)
@@ -68,12 +73,17 @@ class TransferEngine:
             self.stats["errors"] += 1
             self.loop.after(self.rng.uniform(0, last), self._fail, batch, on_status)
         if not pages:
-            self.loop.after(0, lambda: (self._set_done(batch, on_status), on_quiesced(batch)))
+            self.loop.after(0, self._quiesce, batch, owner, on_status, on_quiesced)
         return batch
 
-    def _set_done(self, batch: int, on_status) -> None:
-        self._status[batch] = "done"
-        on_status(batch, "done")
+    def _quiesce(self, batch: int, owner: Hashable, on_status, on_quiesced) -> None:
+        if self._status[batch] == "pending":
+            self._status[batch] = "done"
+            on_status(batch, "done")
+        self._in_flight[owner] -= 1
+        on_quiesced(batch)
+        if self._drain_waiters and not self._in_flight[owner]:
+            self._wake_drained()
 
     def _fail(self, batch: int, on_status) -> None:
         if self._status[batch] == "pending":
@@ -82,3 +92,18 @@ class TransferEngine:
 
     def poll(self, batch: int) -> str:
         return self._status[batch]
+
+    def in_flight(self, owners: Callable[[Hashable], bool]) -> int:
+        """Batches posted by owners matching ``owners`` whose writes have not all landed."""
+        return sum(n for owner, n in self._in_flight.items() if owners(owner))
+
+    def when_drained(self, owners: Callable[[Hashable], bool], fn: Callable[[], None]) -> None:
+        """Call ``fn()`` (now or later) once no batch of an owner matching ``owners`` is in flight."""
+        self._drain_waiters.append((owners, fn))
+        self._wake_drained()
+
+    def _wake_drained(self) -> None:
+        ready = [(owners, fn) for owners, fn in self._drain_waiters if not self.in_flight(owners)]
+        self._drain_waiters = [w for w in self._drain_waiters if w not in ready]
+        for _, fn in ready:
+            fn()

@@ -81,7 +81,7 @@ def test_real_and_model_agree_on_counted_values():
         loop = ServingLoop(Capacity(700, 5000), max_batch_tokens=600, max_batch_context=2048, max_batch_requests=4)
         batches = loop.run(reqs)
         assert any(s.tier == "L2" for b in batches for s in b.served)
-        real = RealEngine(tiny, 2, "bf16", seed=0).run(batches, mode)
-        model = ModelEngine({mode: CostModel(tiny, load_hardware("cpu"), 2, "bf16", mb)}).run(batches, mode)
+        real = RealEngine(tiny, 2, "bf16", seed=0).run(batches, mode)[0]  # one repeat
+        model = ModelEngine({mode: CostModel(tiny, load_hardware("cpu"), 2, "bf16", mb)}).run(batches, mode)[0]
         for r, m in zip(real, model):
             assert (r.reload_bytes_per_rank, r.bcast_bytes) == (m.reload_bytes_per_rank, m.bcast_bytes)

@@ -1,0 +1,107 @@
+"""The simulated PD cluster the abort stress drives: one decode worker and the prefill CP ranks of a
+LayerSplit topology, wired through the faulty control channel, plus the router (retries) and the
+injected faults — client cancels (some delivered twice), prefill restarts, and dead ranks."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+from dataclasses import replace
+from typing import TYPE_CHECKING
+
+from pd.bootstrap import BootstrapRegistry
+from pd.channel import ControlChannel
+from pd.decode_side import SUCCESS, DecodeNode, DecodeRequest
+from pd.prefill_side import PrefillNode
+from pd.sim import EventLoop
+from pd.transfer_engine import TransferEngine
+
+if TYPE_CHECKING:
+    from pd.abort_stress import PDStressConfig
+
+
+class PDCluster:
+    """The nodes, the channel, the bootstrap server and the router of one stress run."""
+
+    def __init__(self, cfg: PDStressConfig) -> None:
+        self.cfg = cfg
+        root = random.Random(cfg.seed)
+        self.loop = EventLoop()
+        self.channel = ControlChannel(self.loop, random.Random(root.getrandbits(64)), cfg.channel)
+        self.registry = BootstrapRegistry(len(cfg.topology.ranks))
+        self.rng = random.Random(root.getrandbits(64))
+        self.fault_rng = random.Random(root.getrandbits(64))
+        decode_cfg = replace(cfg.decode, legacy_immediate_release=cfg.legacy_immediate_release)
+        self.decode = DecodeNode(self.loop, random.Random(root.getrandbits(64)), decode_cfg,
+                                 lambda rank, msg: self.channel.send("decode", f"prefill{rank}", msg),
+                                 cfg.topology, self.registry, self._finished)
+        self.channel.register("decode", self.decode.handle)
+        prefill_cfg = replace(cfg.prefill, compute_seed=cfg.seed)
+        self.prefills: list[PrefillNode] = []
+        for rank in cfg.topology.ranks:
+            engine = TransferEngine(self.loop, random.Random(root.getrandbits(64)), self.decode.kv.land, cfg.engine)
+            node = PrefillNode(rank, self.loop, prefill_cfg, engine,
+                               lambda msg, r=rank: self.channel.send(f"prefill{r}", "decode", msg),
+                               cfg.topology, self.registry)
+            self.channel.register(f"prefill{rank}", node.handle)
+            self.prefills.append(node)
+        self.rooms = 0  # request incarnations submitted (the last room number)
+        self.attempts: dict[int, int] = {}
+        self.outcomes: Counter[str] = Counter()  # per rid: success, cancelled, gave_up
+        self.retries = 0
+
+    # the router ----------------------------------------------------------------------------------------
+    def submit(self, rid: int) -> None:
+        self.rooms += 1
+        self.attempts[rid] = self.attempts.get(rid, 0) + 1
+        req = self.decode.submit(rid, self.rooms, self.rng.randint(self.cfg.min_pages, self.cfg.max_pages))
+        if self.rng.random() < self.cfg.cancel:
+            self.loop.after(self.rng.uniform(0, self.cfg.cancel_within_s), self.decode.abort, req)
+            if self.rng.random() < 0.5:  # the client and the router both abort it
+                self.loop.after(self.rng.uniform(0, self.cfg.cancel_within_s), self.decode.abort, req)
+
+    def _finished(self, req: DecodeRequest) -> None:
+        if req.state == SUCCESS:
+            self.outcomes["success"] += 1
+        elif req.abort_reason == "client":
+            self.outcomes["cancelled"] += 1
+        elif self.attempts[req.rid] <= self.cfg.max_retries:  # same rid, new room
+            self.retries += 1
+            self.loop.after(self.cfg.retry_backoff_s * self.attempts[req.rid], self.submit, req.rid)
+        else:
+            self.outcomes["gave_up"] += 1
+
+    # injected prefill faults -----------------------------------------------------------------------------
+    def schedule_faults(self, until: float) -> None:
+        """Restarts of every rank while requests arrive (so the run still ends), and the dead ranks."""
+        dead = {rank for rank, _ in self.cfg.kill}
+        for rank, at in self.cfg.kill:
+            self.loop.after(at, self.prefills[rank].crash)
+        if self.cfg.restart_mean_s:
+            for node in self.prefills:
+                if node.peer not in dead:
+                    self._schedule_restarts(node, until)
+
+    def _schedule_restarts(self, node: PrefillNode, until: float) -> None:
+        t = self.fault_rng.expovariate(1.0 / self.cfg.restart_mean_s)
+        while t < until:
+            down = self.fault_rng.uniform(*self.cfg.restart_down_s)
+            self.loop.after(t, node.crash)
+            self.loop.after(t + down, node.restart)
+            t += down + self.fault_rng.expovariate(1.0 / self.cfg.restart_mean_s)
+
+    # end-of-run checks -----------------------------------------------------------------------------------
+    def leaked_pages(self) -> int:
+        """Decode pages neither free nor held by a request decode still tracks."""
+        held = {p for r in self.decode.reqs.values() for p in r.pages}
+        free = set(self.decode.kv.free_pages)
+        return sum(1 for p in range(self.decode.kv.num_pages) if p not in held and p not in free)
+
+    def prefill_leaked_pages(self) -> int:
+        """Source pages of the live prefill processes that are allocated but held by no record."""
+        leaked = 0
+        for node in self.prefills:
+            if node.alive:
+                held = {p for rec in list(node.book.records.values()) + node.queue for p in rec.sources}
+                leaked += sum(1 for p, tag in enumerate(node.kv.owner) if tag is not None and p not in held)
+        return leaked

@@ -1,0 +1,50 @@
+"""``pd`` stands beside ``layersplit``: the PD abort protocol and its stress must not import
+layersplit, hicache or dsa_kernels (the LayerSplit ownership is passed in as data)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pd
+
+FORBIDDEN = ("layersplit", "hicache", "dsa_kernels")
+PD_DIR = Path(pd.__file__).parent
+
+
+def imported(source: str) -> list[str]:
+    names = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            names += [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            names += [node.module or ""]
+    return names
+
+
+def forbidden_imports(source: str) -> list[str]:
+    return [n for n in imported(source) if n.split(".")[0] in FORBIDDEN]
+
+
+def closure(root: str) -> set[str]:
+    """``root`` and every ``pd`` module it imports, transitively."""
+    seen, todo = set(), [root]
+    while todo:
+        name = todo.pop()
+        if name not in seen:
+            seen.add(name)
+            todo += [m.split(".")[1] for m in imported((PD_DIR / f"{name}.py").read_text()) if m.startswith("pd.")]
+    return seen
+
+
+def test_the_checker_sees_every_import_form():
+    source = "import layersplit.ownership\nfrom hicache import x\ndef f():\n    from dsa_kernels.ops import y\n"
+    assert forbidden_imports(source) == ["layersplit.ownership", "hicache", "dsa_kernels.ops"]
+    assert forbidden_imports("import pd.sim\nfrom pd import topology\n") == []
+
+
+def test_the_abort_stress_imports_none_of_them():
+    modules = closure("abort_stress")
+    assert {"decode_side", "prefill_side", "topology", "transfer_engine", "cluster"} <= modules
+    assert {m: forbidden_imports((PD_DIR / f"{m}.py").read_text()) for m in sorted(modules)
+            if forbidden_imports((PD_DIR / f"{m}.py").read_text())} == {}
