@@ -17,7 +17,7 @@ from pd.sim import EventLoop
 from pd.transfer_engine import TransferEngine
 
 if TYPE_CHECKING:
-    from pd.abort_stress import PDStressConfig
+    from pd.stress_config import PDStressConfig
 
 
 class PDCluster:
