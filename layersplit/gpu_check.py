@@ -182,6 +182,8 @@ def section_environment(ctx: Context) -> dict:
         "cuda_devices": torch.cuda.device_count() if cuda else 0, "vendor_ops": _vendor_ops(),
         "backends": list(ctx.backends), "triton_interpret": os.environ.get("TRITON_INTERPRET", "0") == "1",
         "cpu_threads": torch.get_num_threads(), "h200_peaks": ctx.peaks,
+        # what `layersplit plan` takes as hbm_reported_bytes (configs/hardware): checked here on a GPU
+        "device_total_memory_bytes": torch.cuda.get_device_properties(ctx.device).total_memory if ctx.on_cuda else None,
         "summary": f"{name}, torch {torch.__version__}, triton {triton.__version__}, backends {'/'.join(ctx.backends)}",
     }
 
