@@ -41,7 +41,7 @@ def test_model_engine_gain_grows_with_length(tmp_path, capsys):
 
 @pytest.mark.timeout(600)  # three repeats of every point on 2 shared cores
 def test_real_engine_default_config_shape(tmp_path, capsys):
-    points = run(tmp_path, capsys, small(tmp_path, "cpu", lengths=[120000], requests=6, sessions=3))
+    points = run(tmp_path, capsys, small(tmp_path, "cpu", lengths=[40000], requests=6, sessions=3))
     assert {p["kind"] for p in points} == {"measured"} and len(points) == 2
     ls = [p for p in points if p["mode"] == "layersplit"][0]
     assert ls["bcast_bytes"] > 0 and ls["request_tokens_per_s"] > 0
