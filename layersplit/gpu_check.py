@@ -43,39 +43,13 @@ from typing import Callable
 
 import torch
 
-from layersplit.gpu_check_cases import CASE_BUILDERS, OpCase, _ref
+from layersplit.gpu_check_cases import CASE_BUILDERS, OpCase, Shapes, _ref
 
 BUDGET_S = 450  # default budget: leaves margin inside an 8-minute device slot
 WATCHDOG_GRACE_S = 25  # cuda mode: hard exit this long after the budget, whatever is running
 JSON_NAME, MD_NAME = "gpu_check.json", "gpu_check.md"
 CPU_TIMING_NOTE = "CPU wall time, not representative: the H200 peaks beside it are not comparable"
 SANITIZE_LOADS = {"cuda": 400, "cpu-dry-run": 64}
-
-
-@dataclass(frozen=True)
-class Shapes:
-    """Problem sizes of one mode (GLM-5: indexer 32 x 128, MLA latent 512 + rope 64, top-k 2048)."""
-
-    index_tokens: int  # indexer query rows (the last rows of one request's context)
-    index_heads: int
-    index_dim: int
-    context: int  # indexer context tokens
-    attn_tokens: int
-    attn_heads: int
-    kv_lora_rank: int
-    rope_dim: int
-    topk: int
-    kv_rows: int  # MLA cache rows the sparse attention draws from
-    key_rows: int  # rows quantized / packed
-    pool_pages: int  # pages in the gather/scatter pool (bf16 MLA pages of 64 rows)
-    moved_pages: int
-    warmup: int
-    repeats: int
-    stress_loads: int
-    stress_unsafe: tuple[str, ...]  # waits dropped, one stress run each
-    overlap_argv: tuple[str, ...]
-    cp_context: int  # tiny-model prefill: context tokens, 90% of it a cached prefix
-    estimates_s: tuple[tuple[str, float], ...]  # section -> expected seconds (the deadline's unit)
 
 
 CUDA_SHAPES = Shapes(
@@ -561,15 +535,3 @@ def print_end(report: dict, out: Path) -> None:
 def exit_code(report: dict) -> int:
     """0 when every section that ran passed (skips included), 1 otherwise."""
     return int(any(s["status"] == "failed" for s in report["sections"].values()))
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``python benchmarks/gpu_check.py --out DIR [--dry-run] [--budget-s 450]``."""
-    import argparse
-
-    from layersplit import gpu_check_cmd
-    from layersplit.cli import _int_at_least
-
-    parser = argparse.ArgumentParser(prog="gpu_check", description=__doc__.splitlines()[0])
-    gpu_check_cmd.add_arguments(parser, _int_at_least)
-    return gpu_check_cmd.run(parser.parse_args(argv))

@@ -6,14 +6,35 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 import torch
 
-if TYPE_CHECKING:
-    from layersplit.gpu_check import Shapes
 
-# 2. kernels: cases, checks, timing ------------------------------------------------------------------
+@dataclass(frozen=True)
+class Shapes:
+    """Problem sizes of one mode (GLM-5: indexer 32 x 128, MLA latent 512 + rope 64, top-k 2048)."""
+
+    index_tokens: int  # indexer query rows (the last rows of one request's context)
+    index_heads: int
+    index_dim: int
+    context: int  # indexer context tokens
+    attn_tokens: int
+    attn_heads: int
+    kv_lora_rank: int
+    rope_dim: int
+    topk: int
+    kv_rows: int  # MLA cache rows the sparse attention draws from
+    key_rows: int  # rows quantized / packed
+    pool_pages: int  # pages in the gather/scatter pool (bf16 MLA pages of 64 rows)
+    moved_pages: int
+    warmup: int
+    repeats: int
+    stress_loads: int
+    stress_unsafe: tuple[str, ...]  # waits dropped, one stress run each
+    overlap_argv: tuple[str, ...]
+    cp_context: int  # tiny-model prefill: context tokens, 90% of it a cached prefix
+    estimates_s: tuple[tuple[str, float], ...]  # section -> expected seconds (the deadline's unit)
 
 @dataclass
 class OpCase:
