@@ -293,7 +293,7 @@ class Sanitizer:
         with self.host_op_in_stream_order():
             with self._lock:
                 self._drain_freed()
-                agent, state, seq, _ = self._agent_for(None, [(t, w) for t, w in ((r[0], False) for r in reads)])
+                agent, state, seq, _ = self._agent_for(None, [(t, False) for t, _ in reads])
                 self._active.add(agent)
                 site = where()
                 for (t, rows), write in [*((r, False) for r in reads), *((w, True) for w in writes)]:
