@@ -57,7 +57,8 @@ def test_floor_rejects_a_late_duplicate_of_a_pruned_room(guarded, monkeypatch):
         monkeypatch.setattr(RoomBook, "below_floor", lambda self, epoch: False)
     h = Harness(decode=DecodeConfig(num_pages=2))
     ghost = ghost_of_a_finished_room(h)
-    assert 1 not in h.prefill.book.records  # pruned
+    pruned_room = 1
+    assert pruned_room not in h.prefill.book.records  # below the floor: dropped
     h.prefill.handle(ghost)  # the channel delivers a duplicate of room 1's request, late
     h.loop.run()
     if guarded:
