@@ -1,6 +1,6 @@
 """Backend choice for every DSA op, in one place.
 
-``LAYERSPLIT_KERNEL_BACKEND`` = auto | vendor | triton | torch (see ``dsa_kernels.envs``).
+``LAYERSPLIT_KERNEL_BACKEND`` = auto | vendor | triton | torch (see ``lsconfig.envs``).
 ``auto`` picks, per op and device: vendor (CUDA, importable) -> Triton (CUDA, or the CPU under
 ``TRITON_INTERPRET=1`` only when asked explicitly) -> torch reference. On CPU ``auto`` is the
 torch reference: the Triton interpreter is for kernel tests, not for runs.
@@ -14,7 +14,7 @@ from typing import Callable
 
 import torch
 
-from dsa_kernels import envs
+from lsconfig import envs
 
 OPS = {
     # op name -> module that holds it under dsa_kernels.reference / dsa_kernels.triton_ops

@@ -497,7 +497,7 @@ def sanitized():
 
 
 def enabled_by_env() -> bool:
-    from dsa_kernels import envs
+    from lsconfig import envs
 
     return envs.sanitize()
 

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dsa_kernels import envs
-from dsa_kernels.config_io import ConfigError, build, check_field, read_yaml, require
+from lsconfig import envs
+from lsconfig.config_io import ConfigError, build, check_field, read_yaml, require
 from dsa_kernels.layout import index_row_bytes, mla_row_bytes
 
 

@@ -97,7 +97,7 @@ def _worker(rank: int, world: int, port: int, model: ModelConfig, scenarios: lis
 
 def cp_backend() -> str:
     """The collective backend of the rank processes: ``LAYERSPLIT_CP_BACKEND``, else NCCL on CUDA, gloo on CPU."""
-    from dsa_kernels import envs
+    from lsconfig import envs
 
     choice = envs.cp_backend()
     return choice if choice != "auto" else "nccl" if torch.cuda.is_available() else "gloo"

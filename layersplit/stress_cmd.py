@@ -104,7 +104,7 @@ def run_pd(args: argparse.Namespace) -> int:
 def run_hicache(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    from dsa_kernels import envs
+    from lsconfig import envs
     from hicache.stress import StressConfig, run_stress
     from layersplit.config import cache_spec, load_model
 
@@ -150,7 +150,7 @@ def _verdict(unsafe: bool, stale: int, what: str) -> int:
 
 def run_sglang_hicache(args: argparse.Namespace) -> int:
     stress = _sglang_stress()
-    from dsa_kernels import envs
+    from lsconfig import envs
 
     result = stress.run(args.iterations, seed=args.seed, upstream=args.upstream, sanitize=envs.sanitize(),
                         unsafe_skip=("index_wait",) if args.unsafe_skip_wait else ())
@@ -162,7 +162,7 @@ def run_sglang_hicache(args: argparse.Namespace) -> int:
 def run_sglang_pool(args: argparse.Namespace) -> int:
     stress = _sglang_stress()
     unsafe = (f"{args.unsafe_skip_wait}_wait",) if args.unsafe_skip_wait else ()
-    from dsa_kernels import envs
+    from lsconfig import envs
 
     result = stress.run_pool(args.iterations, seed=args.seed, unsafe_skip=unsafe, sanitize=envs.sanitize())
     print(json.dumps(asdict(result)))

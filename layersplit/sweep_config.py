@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from dsa_kernels.config_io import ConfigError, read_yaml
+from lsconfig.config_io import ConfigError, read_yaml
 from layersplit.config import _build, configs_root
 
 ENGINES = ("real", "model")

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from fractions import Fraction
 from pathlib import Path
 
-from dsa_kernels.config_io import ConfigError, build, read_yaml, require
+from lsconfig.config_io import ConfigError, build, read_yaml, require
 
 SIGNALS = ("cumulative", "window", "any")
 

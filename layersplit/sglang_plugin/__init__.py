@@ -35,7 +35,7 @@ def enabled(argv: list[str] | None = None) -> bool:
     sets the variable, so the worker processes SGLang starts inherit the choice."""
     import os
 
-    from dsa_kernels import envs
+    from lsconfig import envs
 
     if FLAG in (sys.argv if argv is None else argv):
         os.environ["LAYERSPLIT_SGLANG_PLUGIN"] = "1"
@@ -47,7 +47,7 @@ def register() -> bool:
     _add_server_flag()
     if not enabled():
         return False
-    from dsa_kernels import envs
+    from lsconfig import envs
     from layersplit.sglang_plugin import batch, compat, hicache
     from layersplit.sglang_plugin.pool import make_pool_class
 

@@ -30,7 +30,7 @@ import importlib
 
 import torch
 
-from dsa_kernels import envs
+from lsconfig import envs
 from layersplit.sglang_plugin import compat
 
 

@@ -38,7 +38,7 @@ import logging
 
 import torch
 
-from dsa_kernels import envs
+from lsconfig import envs
 from layersplit.sglang_plugin import compat
 
 log = logging.getLogger(__name__)
