@@ -67,6 +67,13 @@ def sglang_spec_monitor_enabled() -> bool:
     return os.environ.get("LAYERSPLIT_SGLANG_SPEC_MONITOR", "0").strip().lower() in ("1", "true", "yes", "on")
 
 
+def sglang_spec_trace_path() -> Path | None:
+    """``LAYERSPLIT_SGLANG_SPEC_TRACE``: a JSONL file the per-step spec monitor appends one line per verify
+    step to (``layersplit monitor replay`` reads it); unset (default): no export."""
+    value = os.environ.get("LAYERSPLIT_SGLANG_SPEC_TRACE", "").strip()
+    return Path(value) if value else None
+
+
 def sanitize() -> bool:
     """``LAYERSPLIT_SANITIZE=1`` runs the commands and rank processes under the stream-ordering
     sanitizer (:mod:`hicache.sanitizer`); their JSON then carries ``sanitizer_hazards``."""

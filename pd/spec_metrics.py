@@ -126,6 +126,53 @@ class RequestSpecState:
         )
 
 
+class StepState:
+    """:class:`RequestSpecState` for a request whose ``draft_tokens`` is fixed (as in an SGLang server), kept
+    for the per-step hook: O(1) work and no allocation per :meth:`record` (a ring of accepted counts).
+
+    Example::
+
+        state = StepState(window_steps=32)
+        state.record(2)                        # one verify step that accepted 2 drafts
+        state.snapshot(draft_tokens=4)         # the same SpecSnapshot RequestSpecState gives
+    """
+
+    __slots__ = ("window_steps", "verify_steps", "accepted", "window_accepted", "_ring", "_pos")
+
+    def __init__(self, window_steps: int) -> None:
+        if window_steps < 1:
+            raise ValueError(f"window_steps: expected an int >= 1, got {window_steps}")
+        self.window_steps = window_steps
+        self.verify_steps = self.accepted = self.window_accepted = self._pos = 0
+        self._ring = [0] * window_steps  # accepted drafts of the last window_steps steps
+
+    def record(self, accepted: int) -> None:
+        """One verify step that accepted ``accepted`` drafts (the caller checks the range)."""
+        pos = self._pos
+        self.window_accepted += accepted - self._ring[pos]  # the slot holds the step leaving the window
+        self._ring[pos] = accepted
+        self._pos = pos + 1 if pos + 1 < self.window_steps else 0
+        self.verify_steps += 1
+        self.accepted += accepted
+
+    @property
+    def generated(self) -> int:
+        """Tokens out of the verify steps: the accepted drafts plus one bonus/correction token per step."""
+        return self.accepted + self.verify_steps
+
+    def snapshot(self, draft_tokens: int) -> SpecSnapshot:
+        steps, w, proposed = self.verify_steps, self.window_steps, draft_tokens - 1
+        full = steps >= w
+        return SpecSnapshot(
+            source="trace", generated=self.generated, verify_steps=steps,
+            accept_length=Ratio(self.generated, steps) if steps else None,
+            accept_rate=Ratio(self.accepted, steps * proposed) if steps else None,
+            window_steps=w if full else 0,
+            window_accept_length=Ratio(self.window_accepted + w, w) if full else None,
+            window_accept_rate=Ratio(self.window_accepted, w * proposed) if full else None,
+        )
+
+
 def _exact_float(value: Any, name: str) -> Fraction:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ValueError(f"{name}: expected a number, got {value!r}")

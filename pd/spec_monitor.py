@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pd.monitor_config import GarbledRule, MonitorConfig, RepetitionRule
-from pd.spec_metrics import Ratio, RequestSpecState, SpecSnapshot
+from pd.spec_metrics import Ratio, RequestSpecState, SpecSnapshot, StepState
 
 HEALTHY, GARBLED, REPETITION = "healthy", "garbled", "repetition"
 VERDICTS = (HEALTHY, GARBLED, REPETITION)
@@ -142,3 +142,62 @@ class SpecMonitor:
 
     def active(self) -> int:
         return len(self._states)
+
+
+class StepJudge:
+    """The rules of :func:`judge` compiled to integer comparisons for one fixed ``draft_tokens``: what the
+    SGLang per-step hook runs after every verify step. O(1) work, no allocation while nothing fires; the
+    step that fires builds its :class:`Verdict` through :func:`judge` itself, so kind, reason and numbers are
+    those of :class:`SpecMonitor` on the same counters.
+
+    Example::
+
+        rules = StepJudge(load_monitor_config(), draft_tokens=4)
+        state = rules.new_state()
+        verdict = rules.step(state, accepted=0)   # None while healthy, else the anomalous Verdict
+    """
+
+    def __init__(self, cfg: MonitorConfig, draft_tokens: int) -> None:
+        if isinstance(draft_tokens, bool) or not isinstance(draft_tokens, int) or draft_tokens < 2:
+            raise ValueError(f"draft_tokens: expected an int >= 2 (root + at least one draft), got {draft_tokens!r}")
+        g, r, w = cfg.garbled, cfg.repetition, cfg.window_steps
+        self.cfg, self.draft_tokens, self.window = cfg, draft_tokens, w
+        self.max_accepted = draft_tokens - 1
+        self.after_tokens, self.min_steps = g.after_generated_tokens, r.min_verify_steps
+        # accept length n/d < a/b  <=>  n*b < a*d ; accept rate n/d > a/b  <=>  n*b > a*d
+        self.len_num, self.len_den = g.threshold.numerator, g.threshold.denominator
+        self.rate_num, self.rate_den = r.threshold.numerator, r.threshold.denominator
+        self.g_cum, self.g_win = g.signal in ("cumulative", "any"), g.signal in ("window", "any")
+        self.r_cum, self.r_win = r.signal in ("cumulative", "any"), r.signal in ("window", "any")
+        # window metrics over a full window: length = (accepted + w) / w, rate = accepted / (w * drafts)
+        self.g_win_limit = self.len_num * w - w * self.len_den  # fires when accepted * len_den < this
+        self.r_win_limit = self.rate_num * w * self.max_accepted  # fires when accepted * rate_den > this
+
+    def new_state(self) -> StepState:
+        return StepState(self.window)
+
+    def fires(self, state: StepState) -> bool:
+        """Whether :func:`judge` would call ``state`` anomalous (integer arithmetic only)."""
+        steps, accepted = state.verify_steps, state.accepted
+        full = steps >= self.window
+        if accepted + steps > self.after_tokens:
+            if self.g_cum and (accepted + steps) * self.len_den < self.len_num * steps:
+                return True
+            if self.g_win and full and state.window_accepted * self.len_den < self.g_win_limit:
+                return True
+        if steps >= self.min_steps:
+            if self.r_cum and accepted * self.rate_den > self.rate_num * steps * self.max_accepted:
+                return True
+            if self.r_win and full and state.window_accepted * self.rate_den > self.r_win_limit:
+                return True
+        return False
+
+    def step(self, state: StepState, accepted: int) -> Verdict | None:
+        """Record one verify step (``0 <= accepted <= draft_tokens - 1``, checked by the caller) and judge it:
+        None while healthy, else the anomalous :class:`Verdict`."""
+        state.record(accepted)
+        if not self.fires(state):
+            return None
+        verdict = judge(state.snapshot(self.draft_tokens), self.cfg)
+        assert verdict.anomalous, f"StepJudge and judge() disagree: {verdict.reason}"
+        return verdict
