@@ -1,5 +1,8 @@
-"""Control channel with seeded faults: delay, drop, duplicate (a later re-send), and reordering
-across endpoints. Each (sender, receiver) endpoint pair stays FIFO, as a TCP/ZMQ socket does."""
+"""Control channels. The nodes see one interface (:class:`Channel`: ``register`` an endpoint, ``send``
+a message); a subclass decides when, and whether, a message arrives. :class:`ControlChannel` is the
+stress's: seeded faults — delay, drop, duplicate (a later re-send), and reordering across endpoints;
+each (sender, receiver) endpoint pair stays FIFO, as a TCP/ZMQ socket does. The model checker plugs
+in its own (``pd.check.choice_channel``), where every delivery and every fault is a choice."""
 
 from __future__ import annotations
 
@@ -26,15 +29,29 @@ class ChannelFaults:
             raise ValueError(f"delays: expected 0 <= min_delay_s <= max_delay_s, got {self.min_delay_s}, {self.max_delay_s}")
 
 
-class ControlChannel:
-    def __init__(self, loop: EventLoop, rng: random.Random, faults: ChannelFaults) -> None:
-        self.loop, self.rng, self.faults = loop, rng, faults
+class Channel:
+    """Endpoints by name; ``send`` is the subclass's, ``_deliver`` hands a message to its endpoint."""
+
+    def __init__(self) -> None:
         self._handlers: dict[str, Callable] = {}
-        self._last: dict[tuple[str, str], float] = {}  # latest delivery time per endpoint pair
         self.stats = {"sent": 0, "dropped": 0, "duplicated": 0, "delivered": 0}
 
     def register(self, endpoint: str, handler: Callable) -> None:
         self._handlers[endpoint] = handler
+
+    def send(self, src: str, dst: str, msg: object) -> None:
+        raise NotImplementedError
+
+    def _deliver(self, dst: str, msg: object) -> None:
+        self.stats["delivered"] += 1
+        self._handlers[dst](msg)
+
+
+class ControlChannel(Channel):
+    def __init__(self, loop: EventLoop, rng: random.Random, faults: ChannelFaults) -> None:
+        super().__init__()
+        self.loop, self.rng, self.faults = loop, rng, faults
+        self._last: dict[tuple[str, str], float] = {}  # latest delivery time per endpoint pair
 
     def send(self, src: str, dst: str, msg: object, duplicate_ok: bool = True) -> None:
         f = self.faults
@@ -49,7 +66,3 @@ class ControlChannel:
         at = max(at, self._last.get((src, dst), 0.0))  # FIFO per endpoint pair
         self._last[(src, dst)] = at
         self.loop.after(at - self.loop.now, self._deliver, dst, msg)
-
-    def _deliver(self, dst: str, msg: object) -> None:
-        self.stats["delivered"] += 1
-        self._handlers[dst](msg)

@@ -7,10 +7,11 @@ from __future__ import annotations
 import random
 from collections import Counter
 from dataclasses import replace
+from functools import partial
 from typing import TYPE_CHECKING
 
 from pd.bootstrap import BootstrapRegistry
-from pd.channel import ControlChannel
+from pd.channel import Channel, ControlChannel
 from pd.decode_side import SUCCESS, DecodeNode, DecodeRequest
 from pd.prefill_side import PrefillNode
 from pd.sim import EventLoop
@@ -23,17 +24,20 @@ if TYPE_CHECKING:
 class PDCluster:
     """The nodes, the channel, the bootstrap server and the router of one stress run."""
 
-    def __init__(self, cfg: PDStressConfig) -> None:
+    def __init__(self, cfg: PDStressConfig, channel: Channel | None = None) -> None:
+        """``channel``: the seeded faulty channel of ``cfg.channel`` by default; the model checker passes
+        its own, whose deliveries and faults it chooses (the nodes are the same either way)."""
         self.cfg = cfg
         root = random.Random(cfg.seed)
         self.loop = EventLoop()
-        self.channel = ControlChannel(self.loop, random.Random(root.getrandbits(64)), cfg.channel)
+        channel_rng = random.Random(root.getrandbits(64))  # drawn either way: a seed's run never changes
+        self.channel = channel if channel is not None else ControlChannel(self.loop, channel_rng, cfg.channel)
         self.registry = BootstrapRegistry(len(cfg.topology.ranks))
         self.rng = random.Random(root.getrandbits(64))
         self.fault_rng = random.Random(root.getrandbits(64))
         decode_cfg = replace(cfg.decode, legacy_immediate_release=cfg.legacy_immediate_release)
         self.decode = DecodeNode(self.loop, random.Random(root.getrandbits(64)), decode_cfg,
-                                 lambda rank, msg: self.channel.send("decode", f"prefill{rank}", msg),
+                                 self._decode_sends,
                                  cfg.topology, self.registry, self._finished)
         self.channel.register("decode", self.decode.handle)
         prefill_cfg = replace(cfg.prefill, compute_seed=cfg.seed)
@@ -41,7 +45,7 @@ class PDCluster:
         for rank in cfg.topology.ranks:
             engine = TransferEngine(self.loop, random.Random(root.getrandbits(64)), self.decode.kv.land, cfg.engine)
             node = PrefillNode(rank, self.loop, prefill_cfg, engine,
-                               lambda msg, r=rank: self.channel.send(f"prefill{r}", "decode", msg),
+                               partial(self._prefill_sends, rank),
                                cfg.topology, self.registry)
             self.channel.register(f"prefill{rank}", node.handle)
             self.prefills.append(node)
@@ -49,12 +53,21 @@ class PDCluster:
         self.attempts: dict[int, int] = {}
         self.outcomes: Counter[str] = Counter()  # per rid: success, cancelled, gave_up
         self.retries = 0
+        self.latest: dict[int, DecodeRequest] = {}  # rid -> its latest incarnation (what a client cancels)
+
+    # wiring (methods, not closures: the model checker copies a whole cluster) -------------------------
+    def _decode_sends(self, rank: int, msg: object) -> None:
+        self.channel.send("decode", f"prefill{rank}", msg)
+
+    def _prefill_sends(self, rank: int, msg: object) -> None:
+        self.channel.send(f"prefill{rank}", "decode", msg)
 
     # the router ----------------------------------------------------------------------------------------
     def submit(self, rid: int) -> None:
         self.rooms += 1
         self.attempts[rid] = self.attempts.get(rid, 0) + 1
         req = self.decode.submit(rid, self.rooms, self.rng.randint(self.cfg.min_pages, self.cfg.max_pages))
+        self.latest[rid] = req
         if self.rng.random() < self.cfg.cancel:
             self.loop.after(self.rng.uniform(0, self.cfg.cancel_within_s), self.decode.abort, req)
             if self.rng.random() < 0.5:  # the client and the router both abort it

@@ -18,7 +18,9 @@ addressed to another incarnation — the duplicates its previous life would have
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Callable
 
 from pd.bootstrap import BootstrapRegistry
@@ -111,7 +113,7 @@ class PrefillNode:
         self._await_old_writes(self.incarnation)
 
     def _await_old_writes(self, incarnation: int) -> None:
-        self.engine.when_drained(lambda owner: owner < incarnation, lambda: self._serve(incarnation))
+        self.engine.when_drained(partial(operator.gt, incarnation), partial(self._serve, incarnation))  # owner < incarnation
 
     def _serve(self, incarnation: int) -> None:
         if incarnation != self.incarnation or not self.alive:
@@ -214,19 +216,19 @@ class PrefillNode:
         self.engine.post([(msg.pages[i], self.layers) for i in index],
                          [WriteTag(msg.room, msg.generations[i]) for i in index],
                          [SourceRead(self.kv, req.sources[i], req.source_tags[i]) for i in index],
-                         lambda b, s: self._on_status(req, s), lambda b: self._on_quiesced(req), owner=self.incarnation)
+                         partial(self._on_status, req), partial(self._on_quiesced, req), owner=self.incarnation)
         if end < len(msg.pages):
             self.loop.after(self.cfg.batch_gap_s, self._post, req, end)
         else:
             req.posted_all = True
             self._settle(req)
 
-    def _on_status(self, req: PrefillRequest, status: str) -> None:
+    def _on_status(self, req: PrefillRequest, batch: int, status: str) -> None:
         if self._live(req) and status == "failed" and not req.aborted and not req.failed:
             req.failed = True  # stop posting; decode will abort; the lease still counts in-flight writes
             self.send(TransferFailed(req.msg.rid, req.msg.room, self.peer))
 
-    def _on_quiesced(self, req: PrefillRequest) -> None:
+    def _on_quiesced(self, req: PrefillRequest, batch: int) -> None:
         if not self._live(req):
             return
         req.lease -= 1

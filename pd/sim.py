@@ -1,5 +1,9 @@
 """A seeded discrete-event loop: the virtual clock the PD nodes, the transfer engine and the
-control channel share. Same seed, same run: every race the stress test finds can be replayed."""
+control channel share. Same seed, same run: every race the stress test finds can be replayed.
+
+Two ways to drive it, one implementation: ``run`` fires events in virtual-time order (the stress);
+``events`` + ``fire`` let a scheduler pick *any* pending event next (the model checker in
+:mod:`pd.check` branches over every one of them, so time only orders the stress, never the protocol)."""
 
 from __future__ import annotations
 
@@ -29,3 +33,14 @@ class EventLoop:
     @property
     def pending(self) -> int:
         return len(self._queue)
+
+    def events(self) -> list[tuple]:
+        """The pending events as ``(time, seq, fn, args)``, in no particular order."""
+        return list(self._queue)
+
+    def fire(self, event: tuple) -> None:
+        """Run one pending ``event`` now, whatever its time (the clock never goes back)."""
+        self._queue.remove(event)  # seq is unique: equality stops there, never compares fn or args
+        heapq.heapify(self._queue)
+        self.now = max(self.now, event[0])
+        event[2](*event[3])

@@ -38,12 +38,21 @@ class EngineFaults:
     error: float = 0.0  # probability a batch reports failure while its writes still land
 
 
+@dataclass(eq=False)
+class _Batch:
+    owner: Hashable
+    remaining: int  # writes not yet landed
+    on_status: Callable[[int, str], None]
+    on_quiesced: Callable[[int], None]
+
+
 class TransferEngine:
     def __init__(self, loop: EventLoop, rng: random.Random, land: Callable, faults: EngineFaults) -> None:
         self.loop, self.rng, self.land, self.faults = loop, rng, land, faults
         self._status: dict[int, str] = {}
         self._next = 0
         self._in_flight: dict[Hashable, int] = {}  # owner -> batches not yet quiesced
+        self._batches: dict[int, _Batch] = {}  # batches whose writes have not all landed
         self._drain_waiters: list[tuple[Callable[[Hashable], bool], Callable[[], None]]] = []
         self.stats = {"batches": 0, "writes": 0, "errors": 0}
 
@@ -53,42 +62,45 @@ class TransferEngine:
         batch, self._next = self._next, self._next + 1
         self._status[batch] = "pending"
         self._in_flight[owner] = self._in_flight.get(owner, 0) + 1
+        self._batches[batch] = _Batch(owner, len(pages), on_status, on_quiesced)
         self.stats["batches"] += 1
         f = self.faults
         times = [self.rng.uniform(f.min_write_s, f.max_write_s) if self.rng.random() >= f.slow_write
                  else self.rng.uniform(f.max_write_s, f.slow_write_s) for _ in pages]
         last = max(times, default=0.0)
-        remaining = [len(pages)]
-
-        def write(page, tag: WriteTag, payload) -> None:
-            self.stats["writes"] += 1
-            self.land(page, tag, payload() if callable(payload) else payload)
-            remaining[0] -= 1
-            if remaining[0] == 0:
-                self._quiesce(batch, owner, on_status, on_quiesced)
-
         for page, tag, payload, t in zip(pages, tags, payloads, times):
-            self.loop.after(t, write, page, tag, payload)
+            self.loop.after(t, self._write, batch, page, tag, payload)
         if self.rng.random() < f.error:  # the error is reported before the last write lands
             self.stats["errors"] += 1
-            self.loop.after(self.rng.uniform(0, last), self._fail, batch, on_status)
+            self.loop.after(self.rng.uniform(0, last), self.fail, batch)
         if not pages:
-            self.loop.after(0, self._quiesce, batch, owner, on_status, on_quiesced)
+            self.loop.after(0, self._quiesce, batch)
         return batch
 
-    def _quiesce(self, batch: int, owner: Hashable, on_status, on_quiesced) -> None:
+    def _write(self, batch: int, page, tag: WriteTag, payload) -> None:
+        """One write of ``batch`` lands (events, not closures: a checker copies the whole state)."""
+        self.stats["writes"] += 1
+        self.land(page, tag, payload() if callable(payload) else payload)
+        record = self._batches[batch]
+        record.remaining -= 1
+        if record.remaining == 0:
+            self._quiesce(batch)
+
+    def _quiesce(self, batch: int) -> None:
+        record = self._batches.pop(batch)
         if self._status[batch] == "pending":
             self._status[batch] = "done"
-            on_status(batch, "done")
-        self._in_flight[owner] -= 1
-        on_quiesced(batch)
-        if self._drain_waiters and not self._in_flight[owner]:
+            record.on_status(batch, "done")
+        self._in_flight[record.owner] -= 1
+        record.on_quiesced(batch)
+        if self._drain_waiters and not self._in_flight[record.owner]:
             self._wake_drained()
 
-    def _fail(self, batch: int, on_status) -> None:
+    def fail(self, batch: int) -> None:
+        """The NIC reports ``batch`` failed; its writes still land (a no-op once it is done)."""
         if self._status[batch] == "pending":
             self._status[batch] = "failed"
-            on_status(batch, "failed")
+            self._batches[batch].on_status(batch, "failed")
 
     def poll(self, batch: int) -> str:
         return self._status[batch]
