@@ -1,6 +1,6 @@
 """The one prepared GPU check: ``python benchmarks/gpu_check.py --out DIR [--dry-run] [--budget-s 450]``.
 
-Thin entry point; the sections live in :mod:`layersplit.gpu_check` (also ``layersplit gpu-check``).
+Thin entry point; the sections live in :mod:`layersplit.gpu_check.run` (also ``layersplit gpu-check``).
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from layersplit.cli import main  # noqa: E402
+from layersplit.cli.app import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main(["gpu-check", *sys.argv[1:]]))

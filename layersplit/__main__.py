@@ -1,5 +1,5 @@
 import sys
 
-from layersplit.cli import main
+from layersplit.cli.app import main
 
 sys.exit(main())

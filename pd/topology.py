@@ -2,7 +2,7 @@
 every request, so decode holds a request's pages until **every** rank acknowledged.
 
 The ownership is plain data (``layers_by_rank[r]`` = the layers rank r owns); ``pd`` never imports
-``layersplit`` — the CLI passes ``layersplit.ownership.plan_ownership(...)``'s answer in.
+``layersplit`` — the CLI passes ``layersplit.engine.ownership.plan_ownership(...)``'s answer in.
 """
 
 from __future__ import annotations

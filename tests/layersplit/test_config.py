@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from layersplit.config import ConfigError, available, configs_root, load_hardware, load_model
+from layersplit.plan.config import ConfigError, available, configs_root, load_hardware, load_model
 
 
 def test_shipped_configs_load():

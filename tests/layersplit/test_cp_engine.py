@@ -15,11 +15,11 @@ from functools import lru_cache
 import pytest
 import torch
 
-from layersplit.batch_plan import Request
-from layersplit.config import ALL_LAYERS, load_model
-from layersplit.engine import EngineConfig
-from layersplit.launcher import Scenario, run_cp, run_reference
-from layersplit.ownership import plan_ownership
+from layersplit.engine.batch_plan import Request
+from layersplit.plan.config import ALL_LAYERS, load_model
+from layersplit.engine.engine import EngineConfig
+from layersplit.engine.launcher import Scenario, run_cp, run_reference
+from layersplit.engine.ownership import plan_ownership
 
 TINY = load_model("tiny")  # indexer on layers 0, 1, 3, 5, 7 only: GLM-5.2-style
 TINY_ALL_INDEXER = dataclasses.replace(TINY, name="tiny-all-indexer", indexer_layers=ALL_LAYERS)
@@ -160,7 +160,7 @@ def test_hicache_coherence_unsafe_flag_detected():
 
 @pytest.mark.timeout(300)
 def test_prefill_cli(tmp_path, capsys):
-    from layersplit.cli import main
+    from layersplit.cli.app import main
     import json
 
     trace = tmp_path / "trace.json"

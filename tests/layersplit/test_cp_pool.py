@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from layersplit.batch_plan import Request, plan_batch
-from layersplit.capacity import PlanRequest, capacity_plan, scratch_pages_for
-from layersplit.config import cache_spec, load_hardware, load_model
-from layersplit.cp_pool import CPPool
-from layersplit.ownership import plan_ownership
+from layersplit.engine.batch_plan import Request, plan_batch
+from layersplit.plan.capacity import PlanRequest, capacity_plan, scratch_pages_for
+from layersplit.plan.config import cache_spec, load_hardware, load_model
+from layersplit.engine.cp_pool import CPPool
+from layersplit.engine.ownership import plan_ownership
 
 
 @pytest.mark.parametrize("kv_dtype", ["bf16", "fp8"])

@@ -15,8 +15,9 @@ import pytest
 import torch
 
 from dsa_kernels.dispatch import OPS
-from layersplit import gpu_check, gpu_check_cmd
-from layersplit.cli import _int_at_least
+from layersplit.gpu_check import run as gpu_check
+from layersplit.cli import gpu_check_cmd
+from layersplit.cli.app import _int_at_least
 
 SECTIONS = [name for name, _ in gpu_check.SECTIONS]
 

@@ -15,10 +15,10 @@ from functools import lru_cache
 import pytest
 import torch
 
-from layersplit.batch_plan import Request
-from layersplit.config import load_model
-from layersplit.engine import EngineConfig
-from layersplit.launcher import Scenario, run_cp, run_reference
+from layersplit.engine.batch_plan import Request
+from layersplit.plan.config import load_model
+from layersplit.engine.engine import EngineConfig
+from layersplit.engine.launcher import Scenario, run_cp, run_reference
 
 TINY = load_model("tiny")
 

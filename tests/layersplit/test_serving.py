@@ -6,11 +6,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from layersplit.config import load_hardware, load_model
-from layersplit.cost_model import CostModel
-from layersplit.serving import Capacity, Req, ServingLoop
-from layersplit.sweep_engines import ModelEngine, RealEngine
-from layersplit.capacity import mode_bytes
+from layersplit.plan.config import load_hardware, load_model
+from layersplit.serving.cost_model import CostModel
+from layersplit.serving.serving import Capacity, Req, ServingLoop
+from layersplit.serving.sweep_engines import ModelEngine, RealEngine
+from layersplit.plan.capacity import mode_bytes
 
 
 def tiers(batches):

@@ -528,7 +528,7 @@ def test_stress_command_line(capsys, monkeypatch):
     import importlib.util
     import json
 
-    from layersplit.cli import main
+    from layersplit.cli.app import main
 
     assert main(["stress", "sglang-hicache", "--iterations", "10"]) == 0
     safe = json.loads(capsys.readouterr().out.strip().splitlines()[-1])

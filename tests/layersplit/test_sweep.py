@@ -7,9 +7,9 @@ import json
 import pytest
 import yaml
 
-from layersplit.cli import main
-from layersplit.config import ConfigError, configs_root
-from layersplit.sweep_config import load_sweep
+from layersplit.cli.app import main
+from layersplit.plan.config import ConfigError, configs_root
+from layersplit.serving.sweep_config import load_sweep
 
 
 def small(tmp_path, name: str, **changes):
@@ -90,7 +90,7 @@ def test_model_sweep_every_peer_breakdown_and_labels(tmp_path, capsys):
 
 def test_points_written_as_lengths_finish(tmp_path, capsys, monkeypatch):
     """An interrupted sweep keeps the lengths it finished: points.jsonl grows length by length."""
-    from layersplit import sweep
+    from layersplit.serving import sweep
 
     seen = []
     real = sweep.run_sweep

@@ -96,7 +96,7 @@ def test_a_dead_rank_fails_the_run_and_the_storm_still_ends(unsafe):
 
 
 def test_cli_exits_non_zero_when_requests_are_still_held(capsys):
-    from layersplit.cli import main
+    from layersplit.cli.app import main
 
     assert main(["stress", "pd", "--requests", "200", "--kill-rank", "1@1.0", "--json"]) == 1
     captured = capsys.readouterr()

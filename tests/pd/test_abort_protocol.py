@@ -135,7 +135,7 @@ def test_write_tag_equality_is_room_and_generation():
 def test_cli(capsys):
     import json
 
-    from layersplit.cli import main
+    from layersplit.cli.app import main
 
     assert main(["stress", "pd", "--requests", "300", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)

@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from layersplit.ownership import plan_ownership
+from layersplit.engine.ownership import plan_ownership
 from pd.abort_stress import PDStressConfig, failures, run_pd_stress
 from pd.channel import ChannelFaults
 from pd.decode_side import FAILED, SUCCESS, DecodeConfig, DecodeNode
@@ -82,7 +82,7 @@ def test_lossy_control_plane_at_cp8():
 
 
 def test_cli_takes_the_layersplit_plan_and_the_fault_rates(capsys):
-    from layersplit.cli import main
+    from layersplit.cli.app import main
 
     argv = ["stress", "pd", "--requests", "150", "--prefill-cp", "4", "--layers", "10", "--drop", "0.3",
             "--duplicate", "0.1", "--max-delay-s", "0.05", "--json"]

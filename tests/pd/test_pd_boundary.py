@@ -38,8 +38,8 @@ def closure(root: str) -> set[str]:
 
 
 def test_the_checker_sees_every_import_form():
-    source = "import layersplit.ownership\nfrom hicache import x\ndef f():\n    from dsa_kernels.ops import y\n"
-    assert forbidden_imports(source) == ["layersplit.ownership", "hicache", "dsa_kernels.ops"]
+    source = "import layersplit.engine.ownership\nfrom hicache import x\ndef f():\n    from dsa_kernels.ops import y\n"
+    assert forbidden_imports(source) == ["layersplit.engine.ownership", "hicache", "dsa_kernels.ops"]
     assert forbidden_imports("import pd.sim\nfrom pd import topology\n") == []
 
 

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from layersplit import monitor_cmd
-from layersplit.cli import _int_at_least
+from layersplit.cli import monitor_cmd
+from layersplit.cli.app import _int_at_least
 from pd.monitor_config import load_monitor_config
 from pd.replay import format_results, load_records, parse_record, replay, summarize
 from pd.spec_monitor import GARBLED, HEALTHY, REPETITION

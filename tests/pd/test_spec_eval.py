@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from layersplit import monitor_cmd
-from layersplit.cli import _int_at_least
+from layersplit.cli import monitor_cmd
+from layersplit.cli.app import _int_at_least
 from pd.monitor_config import load_monitor_config
 from pd.replay import ReplayRecord, replay_record
 from pd.spec_eval import detect_monitor, detect_text, make_traces, run_eval, score

@@ -3,20 +3,20 @@
 * ``RealEngine`` runs every batch on the CP prefill engine (spawned ranks, gloo on CPU / NCCL on
   CUDA): L1 prefixes sit in the device pools, L2 prefixes are reloaded by the HiCache load pipeline
   from each rank's host tier (its held layers), misses recompute the prefix. Times are measured.
-* ``ModelEngine`` prices the same batches with :class:`layersplit.cost_model.CostModel` (modelled).
+* ``ModelEngine`` prices the same batches with :class:`layersplit.serving.cost_model.CostModel` (modelled).
 """
 
 from __future__ import annotations
 
 import torch
 
-from layersplit.batch_plan import Request
-from layersplit.config import ModelConfig
+from layersplit.engine.batch_plan import Request
+from layersplit.plan.config import ModelConfig
 from dsa_kernels.layout import PAGE_SIZE
-from layersplit.cost_model import BatchCost, CostModel
-from layersplit.engine import EngineConfig
-from layersplit.launcher import Scenario, run_cp
-from layersplit.serving import Batch
+from layersplit.serving.cost_model import BatchCost, CostModel
+from layersplit.engine.engine import EngineConfig
+from layersplit.engine.launcher import Scenario, run_cp
+from layersplit.serving.serving import Batch
 
 
 class RealEngine:

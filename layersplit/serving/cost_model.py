@@ -36,9 +36,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from dsa_kernels.layout import PAGE_SIZE
-from layersplit.capacity import ModeBytes
-from layersplit.config import HardwareConfig, ModelConfig
-from layersplit.serving import Batch
+from layersplit.plan.capacity import ModeBytes
+from layersplit.plan.config import HardwareConfig, ModelConfig
+from layersplit.serving.serving import Batch
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ Per-rank KV budget = ``hbm_reported * mem_fraction - weights per rank``:
 * redundant: a token costs ``sum over all layers`` of (KV + indexer key) bytes on every rank;
 * layersplit: a token costs only the rank's owned layers; the rank also reserves two scratch slots
   (double buffer), each holding one non-owned layer's rows for ``max_batch_tokens`` tokens (in
-  whole pages: ``ceil(T / 64) + max_requests`` pages, as ``layersplit.cp_pool`` allocates them);
+  whole pages: ``ceil(T / 64) + max_requests`` pages, as ``layersplit.engine.cp_pool`` allocates them);
 * upstream SGLang layer split (for comparison): owned layers + one pool-sized scratch layer;
 * our SGLang plug-in: upstream's layout (its attention backend addresses the landing buffer with pool
   locations) plus batch-sized staging: two KV slots and three indexer-key buffers of
@@ -25,8 +25,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from dsa_kernels.layout import PAGE_SIZE
-from layersplit.config import HardwareConfig, ModelConfig
-from layersplit.ownership import plan_ownership
+from layersplit.plan.config import HardwareConfig, ModelConfig
+from layersplit.engine.ownership import plan_ownership
 
 WEIGHT_BYTES = {"fp8": 1.0, "bf16": 2.0, "none": 0.0}
 PLACEMENTS = ("ep", "even")

@@ -18,7 +18,7 @@ The owner gathers only the batch's prefix pages (``plan.bcast_pages``) and, when
 Stream edges (the compute stream is ``rt.compute_stream()``; every one is removable for the
 sanitizer's teeth tests through ``unsafe_skip_edges``):
 
-* every collective waits for the compute work queued before its issue (:mod:`layersplit.comm`), and
+* every collective waits for the compute work queued before its issue (:mod:`layersplit.engine.comm`), and
   its buffers are ``record_stream``-ed on the comm stream;
 * a scratch slot is refilled only after the compute stream recorded its *released* event, after the
   last read of the layer it held (the issue-time wait also orders it);
@@ -40,14 +40,14 @@ from hicache.host_pool import DSAHostPool
 from hicache.load_pipeline import LayerwiseLoader
 from hicache import sanitizer
 from hicache.streams import Event, Runtime
-from layersplit.batch_plan import BatchPlan, Request, plan_batch
-from layersplit.comm import CPComm
-from layersplit.config import ModelConfig, cache_spec
-from layersplit.capacity import scratch_pages_for
-from layersplit.cp_pool import CPPool, ReadBuffers
-from layersplit.model import Projections, TinyDSA
-from layersplit.ownership import plan_ownership
-from layersplit.trace import Tracer
+from layersplit.engine.batch_plan import BatchPlan, Request, plan_batch
+from layersplit.engine.comm import CPComm
+from layersplit.plan.config import ModelConfig, cache_spec
+from layersplit.plan.capacity import scratch_pages_for
+from layersplit.engine.cp_pool import CPPool, ReadBuffers
+from layersplit.engine.model import Projections, TinyDSA
+from layersplit.engine.ownership import plan_ownership
+from layersplit.engine.trace import Tracer
 
 POISON = 0xFF
 # stream edges the teeth tests remove: the comm stream's wait for compute at issue, record_stream of

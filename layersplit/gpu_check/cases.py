@@ -1,6 +1,6 @@
 """Kernel cases of the GPU check: one :class:`OpCase` per op and shape, with the check that fits it
 (exact equality for layouts and gathers, the kernel tests' tolerances for indexer and attention) and
-the FLOP or byte count of one call. Used by :mod:`layersplit.gpu_check`."""
+the FLOP or byte count of one call. Used by :mod:`layersplit.gpu_check.run`."""
 
 from __future__ import annotations
 

@@ -25,8 +25,8 @@ def run(args: argparse.Namespace) -> int:
 
     from tqdm import tqdm
 
-    from layersplit.sweep import modes_of, run_sweep, table, write_outputs
-    from layersplit.sweep_config import load_sweep
+    from layersplit.serving.sweep import modes_of, run_sweep, table, write_outputs
+    from layersplit.serving.sweep_config import load_sweep
 
     name = args.config or ("glm5-h200" if args.engine == "model" else "cpu")
     cfg = load_sweep(name)
@@ -48,7 +48,7 @@ def run(args: argparse.Namespace) -> int:
     paths = write_outputs(points, cfg, out)
     print(table(points, cfg))
     if axis:
-        from layersplit.gain_map import run_map
+        from layersplit.serving.gain_map import run_map
 
         paths |= run_map(cfg, axis[0], axis[1], out)
         print(paths["map_table"].read_text())

@@ -13,8 +13,8 @@ import torch
 
 from hicache.device_pool import DSADevicePool
 from hicache.paged_buffers import DSACacheSpec, PagedDSABuffers
-from layersplit.batch_plan import BatchPlan
-from layersplit.ownership import OwnershipPlan
+from layersplit.engine.batch_plan import BatchPlan
+from layersplit.engine.ownership import OwnershipPlan
 
 MODES = ("redundant", "layersplit")
 

@@ -1,33 +1,16 @@
-"""``layersplit`` command line. Subcommands: ``plan`` (KV capacity per CP rank), ``prefill`` (CP engine),
-``sweep`` (the 40k-120k throughput sweep), ``stress hicache|pd|sglang-hicache|sglang-pool``,
-``monitor replay|eval``,
-``gpu-check`` (the prepared GPU check)."""
+"""``layersplit plan``: KV capacity per CP rank for every layout (parsing and printing; the
+arithmetic is :func:`layersplit.plan.capacity.capacity_plan`)."""
 
 from __future__ import annotations
 
 import argparse
 import json
-import sys
 
-from layersplit.capacity import PLACEMENTS, WEIGHT_BYTES, PlanRequest, capacity_plan
-from layersplit.config import ConfigError, load_hardware, load_model
-from layersplit import gpu_check_cmd, monitor_cmd, prefill_cmd, stress_cmd, sweep_cmd
-from layersplit.ownership import STRATEGIES
+from layersplit.engine.ownership import STRATEGIES
+from layersplit.plan.capacity import PLACEMENTS, WEIGHT_BYTES, PlanRequest, capacity_plan
+from layersplit.plan.config import load_hardware, load_model
 
 _DEFAULTS = PlanRequest(cp=1)
-
-
-def _int_at_least(low: int):
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer >= {low}, got {text!r}") from None
-        if value < low:
-            raise argparse.ArgumentTypeError(f"expected an integer >= {low}, got {value}")
-        return value
-
-    return parse
 
 
 def _fraction(text: str) -> float:
@@ -40,7 +23,7 @@ def _fraction(text: str) -> float:
     return value
 
 
-def _add_plan(sub: argparse._SubParsersAction) -> None:
+def add_parser(sub: argparse._SubParsersAction, _int_at_least) -> None:
     p = sub.add_parser("plan", help="KV capacity per CP rank: redundant CP vs LayerSplit")
     p.add_argument("--model", required=True, help="model config name (configs/models) or YAML path")
     p.add_argument("--cp", required=True, type=_int_at_least(1), help="CP group size N")
@@ -111,29 +94,3 @@ def _run_plan(args: argparse.Namespace) -> int:
     result = capacity_plan(model, hw, req)
     print(json.dumps(result) if args.json else _format_plan(result))
     return 0
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="layersplit", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-    _add_plan(sub)
-    stress_cmd.add_parser(sub, _int_at_least)
-    prefill_cmd.add_parser(sub, _int_at_least)
-    sweep_cmd.add_parser(sub, _int_at_least)
-    monitor_cmd.add_parser(sub, _int_at_least)
-    gpu_check_cmd.add_parser(sub, _int_at_least)
-    return parser
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    try:
-        return args.func(args)
-    except (ConfigError, ValueError) as exc:
-        print(f"layersplit {args.command}: error: {exc}", file=sys.stderr)
-        return 2
-
-
-if __name__ == "__main__":
-    sys.exit(main())

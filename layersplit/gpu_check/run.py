@@ -14,7 +14,7 @@ Sections (each a function returning a dict; one that raises is recorded as faile
 6. ``stream_sanitizer`` the HiCache stress and the 2-rank CP engine under PyTorch's CUDA sanitizer
                        (``TORCH_CUDA_SANITIZER=1``, in a child process), plus the engine with the comm
                        stream's wait for compute removed, which it must report
-                       (:mod:`layersplit.gpu_check_sanitize`; on the CPU: the emulated-runtime sanitizer).
+                       (:mod:`layersplit.gpu_check.sanitize`; on the CPU: the emulated-runtime sanitizer).
 
 Modes: ``cuda`` (CUDA present, no ``--dry-run``) uses GLM-5 shapes; ``cpu-dry-run`` uses tiny shapes,
 the Triton interpreter and emulated streams so CI keeps the script working (timings are CPU wall
@@ -43,7 +43,7 @@ from typing import Callable
 
 import torch
 
-from layersplit.gpu_check_cases import CASE_BUILDERS, OpCase, Shapes, _ref
+from layersplit.gpu_check.cases import CASE_BUILDERS, OpCase, Shapes, _ref
 
 BUDGET_S = 450  # default budget: leaves margin inside an 8-minute device slot
 WATCHDOG_GRACE_S = 25  # cuda mode: hard exit this long after the budget, whatever is running
@@ -132,7 +132,7 @@ def log(text: str) -> None:
 
 def h200_peaks() -> dict[str, float]:
     """Peaks from ``configs/hardware/h200.yaml``: FLOP/s (bf16, fp8 dense) and bytes/s (HBM, PCIe H2D)."""
-    from layersplit.config import load_hardware
+    from layersplit.plan.config import load_hardware
 
     hw = load_hardware("h200")
     return {"flops_bf16": hw.dense_flops_bf16, "flops_fp8": hw.dense_flops_fp8, "hbm": hw.hbm_bandwidth,
@@ -162,7 +162,7 @@ def section_environment(ctx: Context) -> dict:
     }
 
 
-# 2. kernels: timing and the section (cases in layersplit/gpu_check_cases.py) ---------------------------
+# 2. kernels: timing and the section (cases in layersplit/gpu_check/cases.py) ---------------------------
 
 def sync(dev: torch.device) -> None:
     if dev.type == "cuda":
@@ -279,7 +279,7 @@ def section_stress(ctx: Context) -> dict:
     """Tiny-model caches (the race, not the shapes, is under test); delays are ``torch.cuda._sleep``
     on the CUDA streams. With waits: 0 corrupted. In cuda mode each dropped wait must be detected."""
     from hicache.stress import StressConfig, run_stress
-    from layersplit.config import cache_spec, load_model
+    from layersplit.plan.config import cache_spec, load_model
 
     model = load_model("tiny")
     base = StressConfig(layer_loads=ctx.shapes.stress_loads, runtime="cuda" if ctx.on_cuda else "emulated",
@@ -301,7 +301,7 @@ def _overlap_bench():
     """``benchmarks/hicache_overlap.py`` (a script, not a package module), loaded from the repository."""
     import importlib.util
 
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "hicache_overlap.py"
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "hicache_overlap.py"
     spec = importlib.util.spec_from_file_location("hicache_overlap_bench", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -325,13 +325,13 @@ def section_overlap(ctx: Context) -> dict:
 
 def section_cp_engine(ctx: Context) -> dict:
     """Tiny model, one request with a 90% cached prefix: cp=2 LayerSplit vs the single-rank reference."""
-    from layersplit.config import load_model
-    from layersplit.engine import EngineConfig
-    from layersplit.launcher import Scenario, cp_backend, run_cp, run_reference
-    from layersplit.prefill_cmd import make_requests
+    from layersplit.plan.config import load_model
+    from layersplit.engine.engine import EngineConfig
+    from layersplit.engine.launcher import Scenario, cp_backend, run_cp, run_reference
+    from layersplit.engine.requests import synthetic_requests
 
     model, n = load_model("tiny"), ctx.shapes.cp_context
-    requests = make_requests(1, n, 0.9, model.vocab_size, 0)
+    requests = synthetic_requests(1, n, 0.9, model.vocab_size, 0)
     cfg = EngineConfig(mode="layersplit", cp=2, pool_pages=-(-n // 64), max_batch_tokens=n, max_requests=1)
     scenario = Scenario("gpu-check", requests, cfg)
     ref = run_reference(model, scenario)
@@ -362,7 +362,7 @@ def section_cp_engine(ctx: Context) -> dict:
 
 def section_stream_sanitizer(ctx: Context) -> dict:
     """The HiCache stress and the 2-rank CP engine under a stream sanitizer (CSAN on CUDA)."""
-    from layersplit.gpu_check_sanitize import section
+    from layersplit.gpu_check.sanitize import section
 
     timeout = max(30.0, min(120.0, ctx.deadline.left() / 4))
     out = section(ctx.on_cuda, ctx.shapes.cp_context // 4, SANITIZE_LOADS[ctx.mode], timeout)

@@ -20,7 +20,7 @@ from dsa_kernels.layout import index_row_bytes, mla_row_bytes
 
 def configs_root() -> Path:
     """``LAYERSPLIT_CONFIG_DIR`` if set, else the repository's ``configs/``."""
-    return envs.config_dir() or Path(__file__).resolve().parents[1] / "configs"
+    return envs.config_dir() or Path(__file__).resolve().parents[2] / "configs"
 
 
 @dataclass(frozen=True)

@@ -18,9 +18,9 @@ import torch.multiprocessing as mp
 
 from hicache import sanitizer
 from hicache.streams import get_runtime
-from layersplit.batch_plan import Request
-from layersplit.config import ModelConfig
-from layersplit.engine import EngineConfig, RankEngine, RankResult
+from layersplit.engine.batch_plan import Request
+from layersplit.plan.config import ModelConfig
+from layersplit.engine.engine import EngineConfig, RankEngine, RankResult
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""``layersplit gpu-check``: the one prepared GPU check (see :mod:`layersplit.gpu_check`)."""
+"""``layersplit gpu-check``: the one prepared GPU check (see :mod:`layersplit.gpu_check.run`)."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ def add_parser(sub: argparse._SubParsersAction, int_at_least) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from layersplit.gpu_check import exit_code, print_end, run_check
+    from layersplit.gpu_check.run import exit_code, print_end, run_check
 
     report = run_check(args.out, dry_run=args.dry_run, budget_s=args.budget_s)
     print_end(report, Path(args.out))

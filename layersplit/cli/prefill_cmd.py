@@ -6,9 +6,10 @@ from __future__ import annotations
 import argparse
 import json
 
-from layersplit.batch_plan import SPLITS
-from layersplit.cp_pool import MODES
-from layersplit.ownership import STRATEGIES
+from layersplit.cli import options
+from layersplit.engine.batch_plan import SPLITS
+from layersplit.engine.cp_pool import MODES
+from layersplit.engine.ownership import STRATEGIES
 
 
 def add_parser(sub: argparse._SubParsersAction, int_at_least) -> None:
@@ -17,7 +18,7 @@ def add_parser(sub: argparse._SubParsersAction, int_at_least) -> None:
     p.add_argument("--cp", type=int_at_least(1), required=True, help="CP ranks (processes)")
     p.add_argument("--mode", choices=MODES, required=True)
     p.add_argument("--context", type=int_at_least(2), default=8192, help="context tokens per request")
-    p.add_argument("--hit", type=float, default=0.9, help="cached share of each request's context, in [0, 1)")
+    p.add_argument("--hit", type=options.number_in(0, 1, high_open=True), default=0.9, help="cached share of each request's context, in [0, 1)")
     p.add_argument("--requests", type=int_at_least(1), default=1)
     p.add_argument("--ownership", choices=STRATEGIES, default="contiguous")
     p.add_argument("--split", choices=SPLITS, default="zigzag", help="how new tokens are split over ranks")
@@ -27,29 +28,18 @@ def add_parser(sub: argparse._SubParsersAction, int_at_least) -> None:
     p.set_defaults(func=run_prefill)
 
 
-def make_requests(n: int, context: int, hit: float, vocab: int, seed: int):
-    import torch
-
-    from layersplit.batch_plan import Request
-
-    if not 0 <= hit < 1:
-        raise ValueError(f"--hit: expected a number in [0, 1), got {hit}")
-    g = torch.Generator().manual_seed(seed)
-    prefix = int(context * hit)
-    return [Request(prefix, tuple(torch.randint(0, vocab, (context - prefix,), generator=g).tolist())) for _ in range(n)]
-
-
 def run_prefill(args: argparse.Namespace) -> int:
     import torch
 
     from dsa_kernels.layout import PAGE_SIZE
-    from layersplit.config import load_model
-    from layersplit.engine import EngineConfig
-    from layersplit.launcher import Scenario, cp_backend, run_cp, run_reference
-    from layersplit.trace import write_trace
+    from layersplit.plan.config import load_model
+    from layersplit.engine.engine import EngineConfig
+    from layersplit.engine.launcher import Scenario, cp_backend, run_cp, run_reference
+    from layersplit.engine.requests import synthetic_requests
+    from layersplit.engine.trace import write_trace
 
     model = load_model(args.model)
-    requests = make_requests(args.requests, args.context, args.hit, model.vocab_size, args.seed)
+    requests = synthetic_requests(args.requests, args.context, args.hit, model.vocab_size, args.seed)
     tokens = args.requests * args.context
     cfg = EngineConfig(mode=args.mode, cp=args.cp, ownership=args.ownership, split=args.split,
                        pool_pages=args.requests * (-(-args.context // PAGE_SIZE)), max_batch_tokens=tokens,

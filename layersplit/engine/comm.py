@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from hicache.streams import Event, Runtime
-from layersplit.trace import Tracer
+from layersplit.engine.trace import Tracer
 
 UNSAFE_CHOICES = ("compute_wait", "record_stream")
 

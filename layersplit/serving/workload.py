@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import random
 
-from layersplit.capacity import ModeBytes
-from layersplit.serving import Capacity, Req
+from layersplit.plan.capacity import ModeBytes
+from layersplit.serving.serving import Capacity, Req
 
 
 def make_requests(length: int, new_fraction: float, sessions: int, requests: int, seed: int) -> list[Req]:

@@ -73,7 +73,7 @@ def run_pd(args: argparse.Namespace) -> int:
     from pd.channel import ChannelFaults
     from pd.topology import PrefillTopology
 
-    from layersplit.ownership import plan_ownership
+    from layersplit.engine.ownership import plan_ownership
 
     plan = plan_ownership(args.layers, args.prefill_cp, "contiguous")  # pd takes the ownership as plain data
     cfg = PDStressConfig(requests=args.requests, seed=args.seed, legacy_immediate_release=args.legacy_immediate_release,
@@ -106,7 +106,7 @@ def run_hicache(args: argparse.Namespace) -> int:
 
     from lsconfig import envs
     from hicache.stress import StressConfig, run_stress
-    from layersplit.config import cache_spec, load_model
+    from layersplit.plan.config import cache_spec, load_model
 
     model = load_model(args.model)
     cfg = StressConfig(layer_loads=args.loads, seed=args.seed, runtime=args.runtime, sanitize=envs.sanitize(),

@@ -12,7 +12,7 @@
 * ``cpu-dry-run`` mode: the same three under this project's emulated-runtime sanitizer
   (``LAYERSPLIT_SANITIZE=1``, :mod:`hicache.sanitizer`), in this process.
 
-Run as a module (``python -m layersplit.gpu_check_sanitize``) it is the child: one JSON object on stdout.
+Run as a module (``python -m layersplit.gpu_check.sanitize``) it is the child: one JSON object on stdout.
 """
 
 from __future__ import annotations
@@ -26,20 +26,20 @@ import torch
 
 
 def _scenario(context: int, unsafe: frozenset[str] = frozenset()):
-    from layersplit.config import load_model
-    from layersplit.engine import EngineConfig
-    from layersplit.launcher import Scenario
-    from layersplit.prefill_cmd import make_requests
+    from layersplit.plan.config import load_model
+    from layersplit.engine.engine import EngineConfig
+    from layersplit.engine.launcher import Scenario
+    from layersplit.engine.requests import synthetic_requests
 
     model = load_model("tiny")
     cfg = EngineConfig(mode="layersplit", cp=2, pool_pages=-(-context // 64), max_batch_tokens=context,
                        max_requests=1, unsafe_skip_edges=unsafe)
-    return model, Scenario("sanitized" + ("-unsafe" if unsafe else ""), make_requests(1, context, 0.9, model.vocab_size, 0), cfg)
+    return model, Scenario("sanitized" + ("-unsafe" if unsafe else ""), synthetic_requests(1, context, 0.9, model.vocab_size, 0), cfg)
 
 
 def _engine(context: int, unsafe: frozenset[str], timeout_s: float) -> dict:
     """cp=2 under whatever sanitizer the environment enables; a sanitizer error ends the run."""
-    from layersplit.launcher import cp_backend, run_cp, run_reference
+    from layersplit.engine.launcher import cp_backend, run_cp, run_reference
 
     model, sc = _scenario(context, unsafe)
     try:
@@ -57,7 +57,7 @@ def _engine(context: int, unsafe: frozenset[str], timeout_s: float) -> dict:
 
 def _stress(loads: int, on_cuda: bool) -> dict:
     from hicache.stress import StressConfig, run_stress
-    from layersplit.config import cache_spec, load_model
+    from layersplit.plan.config import cache_spec, load_model
 
     model = load_model("tiny")
     cfg = StressConfig(layer_loads=loads, runtime="cuda" if on_cuda else "emulated", sanitize=not on_cuda,
@@ -94,7 +94,7 @@ def section(on_cuda: bool, context: int, loads: int, timeout_s: float) -> dict:
         result = run_checks(context, loads, timeout_s)
     else:
         env = os.environ | {"TORCH_CUDA_SANITIZER": "1"}
-        cmd = [sys.executable, "-m", "layersplit.gpu_check_sanitize", str(context), str(loads), str(timeout_s)]
+        cmd = [sys.executable, "-m", "layersplit.gpu_check.sanitize", str(context), str(loads), str(timeout_s)]
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s * 3 + 60)
         if proc.returncode != 0:
             raise RuntimeError(f"sanitized child exited {proc.returncode}: {proc.stderr[-2000:]}")

@@ -17,8 +17,8 @@ import json
 from dataclasses import replace
 from pathlib import Path
 
-from layersplit.sweep import SEED_GAIN, run_sweep
-from layersplit.sweep_config import SweepConfig
+from layersplit.serving.sweep import SEED_GAIN, run_sweep
+from layersplit.serving.sweep_config import SweepConfig
 
 COMPARE = (("redundant", "gain_vs_redundant"), ("redundant-shared-host", None),
            ("upstream-layersplit", "gain_vs_upstream"))

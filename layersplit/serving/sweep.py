@@ -1,6 +1,6 @@
 """The 40k-120k sweep at 90% prefix reuse: every serving mode on the same workload.
 
-For each request length and mode (:data:`layersplit.capacity.MODES`; the measured engine runs the
+For each request length and mode (:data:`layersplit.plan.capacity.MODES`; the measured engine runs the
 two the CP engine implements): build the workload, run the serving loop with that mode's tier
 capacities, time its batches with the chosen engine, and aggregate one point. Each point carries its
 gain over redundant CP and over upstream SGLang's layer split, and (model engine) a time breakdown:
@@ -15,13 +15,13 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from layersplit.capacity import MODES, PlanRequest, capacity_plan, mode_bytes
-from layersplit.config import load_hardware, load_model
-from layersplit.cost_model import CostModel
-from layersplit.serving import ServingLoop
-from layersplit.sweep_config import SweepConfig
-from layersplit.sweep_engines import ModelEngine, RealEngine
-from layersplit.workload import capacity, make_requests
+from layersplit.plan.capacity import MODES, PlanRequest, capacity_plan, mode_bytes
+from layersplit.plan.config import load_hardware, load_model
+from layersplit.serving.cost_model import CostModel
+from layersplit.serving.serving import ServingLoop
+from layersplit.serving.sweep_config import SweepConfig
+from layersplit.serving.sweep_engines import ModelEngine, RealEngine
+from layersplit.serving.workload import capacity, make_requests
 
 REAL_MODES = ("redundant", "layersplit")  # what the CP engine implements (measured)
 SEED_GAIN = {40000: 10.0, 120000: 132.0}  # the seed's reported gains (percent) at the ends of the range

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from layersplit.config import ModelConfig
+from layersplit.plan.config import ModelConfig
 
 
 def rms_norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:

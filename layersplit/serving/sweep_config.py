@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from lsconfig.config_io import ConfigError, read_yaml
-from layersplit.config import _build, configs_root
+from layersplit.plan.config import _build, configs_root
 
 ENGINES = ("real", "model")
 
