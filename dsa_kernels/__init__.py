@@ -6,8 +6,8 @@ Byte layouts: ``dsa_kernels.layout``. Example::
 
     cache = torch.zeros(num_pages, 64 * 132, dtype=torch.uint8)
     quantize_index_keys(keys, cache, slots)          # keys [n, 128]
-    scores = indexer_scores(q, w, cache, page_table, req_idx, positions, max_context)
-    top = topk_indices(scores, 2048)                 # [T, 2048] int32, -1 padded
+    top = indexer_topk(q, w, cache, page_table, req_idx, positions, max_context, 2048)
+    # [T, 2048] int32 positions, -1 padded; positions_to_slots(top, page_table, req_idx) -> cache slots
 """
 
 from __future__ import annotations
@@ -15,8 +15,12 @@ from __future__ import annotations
 import torch
 
 from dsa_kernels.dispatch import resolve
-from dsa_kernels.layout import PAGE_SIZE
-from dsa_kernels.reference.indexer import topk_indices
+from dsa_kernels.reference import indexer as _reference_indexer
+from dsa_kernels.reference.indexer import positions_to_slots
+from dsa_kernels.rotation import hadamard_rotate
+
+DEFAULT_CHUNK = 16384  # context columns scored per step of indexer_topk
+DEFAULT_QUERY_BLOCK = 2048  # query rows per block of indexer_topk
 
 
 def quantize_index_keys(keys: torch.Tensor, index_cache: torch.Tensor, slots: torch.Tensor) -> None:
@@ -39,25 +43,63 @@ def unpack_mla_kv(kv_cache: torch.Tensor, slots: torch.Tensor, kv_lora_rank: int
     return resolve("unpack_mla_kv", kv_cache.device)[1](kv_cache, slots, kv_lora_rank)
 
 
+def quantize_index_q(q: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Indexer query heads to e4m3 (ue8m0 scale per head) and the folded head weights
+    ``(weights * H^-0.5) * q_scale * D^-0.5`` (see ``reference.indexer``)."""
+    return _reference_indexer.quantize_index_q(q, weights)
+
+
 def indexer_scores(q, weights, index_cache, page_table, req_idx, positions, max_context: int) -> torch.Tensor:
-    """Lightning-indexer scores ``[T, max_context]`` fp32 (see ``reference.indexer.indexer_scores``)."""
+    """Lightning-indexer scores ``[T, max_context]`` fp32, the whole row at once (memory ``T x ctx``;
+    prefer ``indexer_topk``). ``q [T, H, D]`` after RoPE + Hadamard, ``weights [T, H]`` the raw
+    ``weights_proj`` output; see ``reference.indexer`` for the formula."""
     fn = resolve("indexer_scores", index_cache.device)[1]
     return fn(q, weights, index_cache, page_table, req_idx, positions, max_context)
 
 
-def indexer_topk(q, weights, index_cache, page_table, req_idx, positions, max_context: int, topk: int = 2048):
-    """Top-``topk`` context positions per query ``[T, topk]`` int32, -1 padded (k >= context handled)."""
-    scores = indexer_scores(q, weights, index_cache, page_table, req_idx, positions, max_context)
-    return topk_indices(scores, topk)
+def indexer_topk(q, weights, index_cache, page_table, req_idx, positions, max_context: int, topk: int = 2048,
+                 *, chunk: int = DEFAULT_CHUNK, query_block: int = DEFAULT_QUERY_BLOCK) -> torch.Tensor:
+    """Top-``topk`` context positions per query ``[T, topk]`` int32, -1 padded, ties to the lower position.
+
+    Chunked: per block of ``query_block`` queries, scores for ``chunk`` context columns at a time,
+    merged into a running top-k (``topk_merge``), so the peak is ``query_block x (topk + chunk)``
+    scores, not ``T x max_context``. A block stops at its last visible column (causal). Same index
+    sets as ``topk_indices(indexer_scores(...))``. One host sync per call (the blocks' extents).
+    """
+    if chunk < 1 or query_block < 1:
+        raise ValueError(f"chunk, query_block: expected >= 1, got {chunk}, {query_block}")
+    dev = index_cache.device
+    scores_fn = resolve("indexer_scores", dev)[1]
+    merge_fn = resolve("topk_merge", dev)[1]
+    q_fp8, w = quantize_index_q(q, weights)  # once: every chunk reuses the quantized heads
+    t_count = q.shape[0]
+    out = torch.full((t_count, topk), -1, dtype=torch.int32, device=dev)
+    if t_count == 0 or topk == 0:
+        return out
+    block_ends = positions.long().split(query_block)
+    extents = torch.stack([p.max() for p in block_ends]).add(1).clamp(max=max_context).tolist()
+    for i, extent in enumerate(extents):
+        rows = slice(i * query_block, (i + 1) * query_block)
+        best = torch.empty(len(block_ends[i]), 0, dtype=torch.float32, device=dev)
+        best_idx = torch.empty(len(block_ends[i]), 0, dtype=torch.int32, device=dev)
+        for s0 in range(0, extent, chunk):
+            scores = scores_fn(q_fp8[rows], w[rows], index_cache, page_table, req_idx[rows], positions[rows],
+                               min(s0 + chunk, extent), s0)
+            best, best_idx = merge_fn(best, best_idx, scores, s0, topk)
+        out[rows, : best_idx.shape[1]] = torch.where(torch.isfinite(best), best_idx, -1)
+    return out
 
 
-def positions_to_slots(top: torch.Tensor, page_table: torch.Tensor, req_idx: torch.Tensor) -> torch.Tensor:
-    """Map per-request positions ``[T, K]`` (-1 kept) to cache slots via ``page_table [B, max_pages]``."""
-    valid = top >= 0
-    pos = top.clamp_min(0).long()
-    pages = page_table[req_idx.long()[:, None], pos // PAGE_SIZE].long()
-    slots = pages * PAGE_SIZE + pos % PAGE_SIZE
-    return torch.where(valid, slots, torch.full_like(slots, -1)).to(torch.int32)
+def topk_indices(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices of the ``k`` largest finite scores per row ``[T, k]`` int32, -1 padded (vendor tier:
+    FlashInfer on CUDA, same sets up to ties)."""
+    return resolve("topk_indices", scores.device)[1](scores, k)
+
+
+def topk_slots(scores, page_table, req_idx, positions, k: int) -> torch.Tensor:
+    """Top-``k`` of each row's visible columns mapped to cache slots ``[T, k]`` int32 (-1 padded) in one
+    op (vendor tier: FlashInfer's fused ``top_k_page_table_transform``)."""
+    return resolve("topk_slots", scores.device)[1](scores, page_table, req_idx, positions, k)
 
 
 def sparse_mla_prefill(q, kv_cache, indices, sm_scale: float, kv_lora_rank: int):
@@ -76,6 +118,7 @@ def scatter_pages(packed: torch.Tensor, pages: torch.Tensor, page_ids: torch.Ten
 
 
 __all__ = [
-    "quantize_index_keys", "dequantize_index_keys", "pack_mla_kv", "unpack_mla_kv", "indexer_scores",
-    "indexer_topk", "topk_indices", "positions_to_slots", "sparse_mla_prefill", "gather_pages", "scatter_pages",
+    "quantize_index_keys", "dequantize_index_keys", "pack_mla_kv", "unpack_mla_kv", "hadamard_rotate",
+    "quantize_index_q", "indexer_scores", "indexer_topk", "topk_indices", "topk_slots", "positions_to_slots",
+    "sparse_mla_prefill", "gather_pages", "scatter_pages",
 ]

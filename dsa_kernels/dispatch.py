@@ -4,6 +4,10 @@
 ``auto`` picks, per op and device: vendor (CUDA, importable) -> Triton (CUDA, or the CPU under
 ``TRITON_INTERPRET=1`` only when asked explicitly) -> torch reference. On CPU ``auto`` is the
 torch reference: the Triton interpreter is for kernel tests, not for runs.
+
+``OPS`` have a Triton kernel and a torch reference; ``TOPK_OPS`` (selection) have a torch reference
+and, on CUDA, FlashInfer's top-k as their vendor tier (asking for "triton" gives the reference).
+A vendor op still checks each call and falls back by itself (``dsa_kernels.vendor``).
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ OPS = {
     "gather_pages": "paged_copy",
     "scatter_pages": "paged_copy",
 }
+TOPK_OPS = {"topk_indices": "indexer", "topk_merge": "indexer", "topk_slots": "indexer"}
 
 
 @functools.cache
@@ -38,7 +43,7 @@ def _vendor_ops() -> dict[str, object]:
 
 def _load(backend: str, op: str) -> Callable:
     package = {"torch": "reference", "triton": "triton_ops"}[backend]
-    return getattr(importlib.import_module(f"dsa_kernels.{package}.{OPS[op]}"), op)
+    return getattr(importlib.import_module(f"dsa_kernels.{package}.{(OPS | TOPK_OPS)[op]}"), op)
 
 
 def resolve(op: str, device: torch.device | str, backend: str | None = None) -> tuple[str, Callable]:
@@ -48,8 +53,8 @@ def resolve(op: str, device: torch.device | str, backend: str | None = None) -> 
 
 @functools.cache
 def _resolve(op: str, device_type: str, choice: str) -> tuple[str, Callable]:
-    if op not in OPS:
-        raise ValueError(f"op: expected one of {sorted(OPS)}, got {op!r}")
+    if op not in OPS and op not in TOPK_OPS:
+        raise ValueError(f"op: expected one of {sorted(OPS | TOPK_OPS)}, got {op!r}")
     on_cuda = device_type == "cuda"
     if choice == "vendor":
         if op in _vendor_ops() and on_cuda:
@@ -61,4 +66,6 @@ def _resolve(op: str, device_type: str, choice: str) -> tuple[str, Callable]:
         choice = "triton" if on_cuda else "torch"
     if choice not in ("triton", "torch"):
         raise ValueError(f"backend: expected one of {envs.KERNEL_BACKENDS}, got {choice!r}")
+    if op in TOPK_OPS:
+        choice = "torch"  # no Triton top-k: the reference's sort is the non-vendor tier
     return choice, _load(choice, op)

@@ -13,7 +13,15 @@ MLA latent cache, one row per token slot (slot = page * 64 + offset):
 
 Indexer-key cache, ``[num_pages, PAGE_SIZE * (D + 4)]`` uint8 (D = 128: 64 * 132 = 8448 B per page):
 the page's 64 keys of ``D`` e4m3 bytes come first (token ``o`` at byte ``o * D``), then its 64 fp32
-scales (token ``o`` at byte ``64 * D + 4 * o``); ``scale = max(amax, 1e-4) / 448`` per token.
+scales (token ``o`` at byte ``64 * D + 4 * o``). One scale per token (``D <= 128``: one quantization
+block, as DeepSeek-V3.2 / GLM-5 use at ``D = 128``), a power of two (ue8m0)::
+
+    scale = 2 ** ceil(log2(max(amax, 1e-4) * fp32(1 / 448)))      # computed in fp32
+
+This is DeepSeek-V3.2-Exp's ``act_quant`` with ``scale_fmt`` set (``inference/kernel.py``,
+``act_quant_kernel`` with ``round_scale``): the product ``amax * (1/448)`` rounded to fp32, then its
+exponent rounded up. Dividing by a power of two is exact, so every backend writes the same bytes.
+The MLA fp8 layout keeps FlashMLA's non-rounded ``amax / 448`` scale.
 """
 
 from __future__ import annotations
@@ -23,6 +31,7 @@ import torch
 PAGE_SIZE = 64
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 FP8_TILE = 128  # latent elements per fp32 scale in the fp8 MLA layout
+INDEX_BLOCK = 128  # indexer values per ue8m0 scale (DeepSeek's block_size); keys and query heads are one block
 AMAX_FLOOR = 1e-4  # keeps an all-zero row from producing a zero scale
 FP8_DTYPE = torch.float8_e4m3fn
 
@@ -57,7 +66,10 @@ def index_head_dim_of(index_cache: torch.Tensor) -> int:
     page_bytes = index_cache.shape[1]
     if page_bytes % PAGE_SIZE or page_bytes // PAGE_SIZE <= 4:
         raise ValueError(f"index_cache: page of {page_bytes} B is not {PAGE_SIZE} * (D + 4)")
-    return page_bytes // PAGE_SIZE - 4
+    d = page_bytes // PAGE_SIZE - 4
+    if d > INDEX_BLOCK:
+        raise ValueError(f"index_cache: expected D <= {INDEX_BLOCK} (one scale per key), got D = {d}")
+    return d
 
 
 def kv_dtype_of(kv_cache: torch.Tensor) -> str:

@@ -15,13 +15,17 @@ def sparse_mla_prefill(
     """Per query token ``t`` and head ``h``, attention over the cache rows ``indices[t]``.
 
     q ``[T, H, L + R]`` (absorbed latent query ++ rope query); kv_cache ``[S, L + R]`` bf16
-    (values are the first ``L`` columns of the same rows); indices ``[T, K]`` int32 cache slots,
-    -1 = skip. ``p = softmax(sm_scale * q . kv)`` over valid rows;
-    returns ``out [T, H, L]`` fp32 = ``p @ kv[:, :L]`` and ``lse [T, H]`` fp32 (natural log).
-    A row with no valid index gives ``out = 0``, ``lse = -inf``.
+    (values are the first ``L`` columns of the same rows); indices ``[T, K]`` int32 cache slots;
+    an index outside ``[0, S)`` (the -1 padding, or past the cache) is skipped, as FlashMLA masks it.
+    ``p = softmax(sm_scale * q . kv)`` over valid rows;
+    returns ``out [T, H, L]`` fp32 = ``p @ kv[:, :L]`` and ``lse [T, H]`` fp32.
+
+    lse convention (ours, every backend): natural log; a row with no valid index gives ``out = 0``
+    and ``lse = -inf`` (log of an empty sum). FlashMLA differs on both counts — base 2 in its
+    legacy mode, ``+inf`` for an empty row — and ``dsa_kernels.vendor`` converts at the boundary.
     """
-    valid = indices >= 0  # [T, K]
-    kv = kv_cache[indices.clamp_min(0).long()].float()  # [T, K, L + R]
+    valid = (indices >= 0) & (indices < kv_cache.shape[0])  # [T, K]
+    kv = kv_cache[torch.where(valid, indices, 0).long()].float()  # [T, K, L + R]
     kv = kv.masked_fill(~valid[..., None], 0.0)  # skipped rows must not leak NaN/inf through 0 * x
     logits = torch.einsum("thd,tkd->thk", q.float(), kv) * sm_scale
     logits = logits.masked_fill(~valid[:, None, :], float("-inf"))

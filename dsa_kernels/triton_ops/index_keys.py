@@ -1,4 +1,4 @@
-"""Indexer keys <-> paged fp8 layout (64 keys of D e4m3 bytes, then 64 fp32 scales, per page)."""
+"""Indexer keys <-> paged fp8 layout (64 keys of D e4m3 bytes, then 64 fp32 ue8m0 scales, per page)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,16 @@ import triton.language as tl
 
 from dsa_kernels.layout import AMAX_FLOOR, FP8_DTYPE, FP8_MAX, PAGE_SIZE, index_head_dim_of
 from dsa_kernels.triton_ops.checks import FLOAT_DTYPES, INDEX_DTYPES, check_len, check_tensor
+from dsa_kernels.triton_ops.offsets import as_offset, wide
+
+
+@triton.jit
+def ue8m0_scale(amax, FMAX: tl.constexpr, FLOOR: tl.constexpr):
+    """``2 ** ceil(log2(max(amax, FLOOR) * fp32(1 / FMAX)))`` from the fp32 bits (no approximate log2/exp2)."""
+    x = tl.maximum(amax, FLOOR) * (1.0 / FMAX)
+    bits = x.to(tl.int32, bitcast=True)
+    exp = ((bits >> 23) & 0xFF) - 127 + ((bits & 0x7FFFFF) != 0).to(tl.int32)
+    return ((exp + 127) << 23).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -15,27 +25,30 @@ def _quantize_index_keys_kernel(
     keys_ptr, cache_f8_ptr, cache_f32_ptr, slots_ptr,
     stride_keys, page_bytes,
     D: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr, FMAX: tl.constexpr, FLOOR: tl.constexpr,
+    WIDE: tl.constexpr,
 ):
-    row = tl.program_id(0)
+    row = as_offset(tl.program_id(0), WIDE)
     d = tl.arange(0, BLOCK_D)
     dmask = d < D
-    # 1. per-token scale from the fp32 amax
+    # 1. per-token power-of-two scale from the fp32 amax
     x = tl.load(keys_ptr + row * stride_keys + d, mask=dmask, other=0.0).to(tl.float32)  # [BLOCK_D]
-    scale = tl.maximum(tl.max(tl.abs(x), axis=0), FLOOR) / FMAX
-    # 2. key bytes at page * page_bytes + off * D, scale at page * page_bytes + PAGE * D + 4 * off
+    scale = ue8m0_scale(tl.max(tl.abs(x), axis=0), FMAX, FLOOR)
+    # 2. IEEE division (exact here: the scale is a power of two), saturated like the reference
+    y = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -FMAX), FMAX)
+    # 3. key bytes at page * page_bytes + off * D, scale at page * page_bytes + PAGE * D + 4 * off
     slot = tl.load(slots_ptr + row).to(tl.int64)
     page, off = slot // PAGE, slot % PAGE
     base = page * page_bytes
-    tl.store(cache_f8_ptr + base + off * D + d, (x / scale).to(cache_f8_ptr.dtype.element_ty), mask=dmask)
+    tl.store(cache_f8_ptr + base + off * D + d, y.to(cache_f8_ptr.dtype.element_ty), mask=dmask)
     tl.store(cache_f32_ptr + (base + PAGE * D) // 4 + off, scale)
 
 
 @triton.jit
 def _dequantize_index_keys_kernel(
     cache_f8_ptr, cache_f32_ptr, slots_ptr, out_ptr, page_bytes,
-    D: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr,
+    D: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr, WIDE: tl.constexpr,
 ):
-    row = tl.program_id(0)
+    row = as_offset(tl.program_id(0), WIDE)
     d = tl.arange(0, BLOCK_D)
     dmask = d < D
     slot = tl.load(slots_ptr + row).to(tl.int64)
@@ -65,7 +78,7 @@ def quantize_index_keys(keys: torch.Tensor, index_cache: torch.Tensor, slots: to
     _quantize_index_keys_kernel[(keys.shape[0],)](
         keys, index_cache.view(FP8_DTYPE), index_cache.view(torch.float32), slots,
         keys.stride(0), index_cache.shape[1],
-        D=d, BLOCK_D=triton.next_power_of_2(d), PAGE=PAGE_SIZE, FMAX=FP8_MAX, FLOOR=AMAX_FLOOR,
+        D=d, BLOCK_D=triton.next_power_of_2(d), PAGE=PAGE_SIZE, FMAX=FP8_MAX, FLOOR=AMAX_FLOOR, WIDE=wide(),
     )
 
 
@@ -76,6 +89,6 @@ def dequantize_index_keys(index_cache: torch.Tensor, slots: torch.Tensor) -> tor
     if slots.shape[0]:
         _dequantize_index_keys_kernel[(slots.shape[0],)](
             index_cache.view(FP8_DTYPE), index_cache.view(torch.float32), slots, out, index_cache.shape[1],
-            D=d, BLOCK_D=triton.next_power_of_2(d), PAGE=PAGE_SIZE,
+            D=d, BLOCK_D=triton.next_power_of_2(d), PAGE=PAGE_SIZE, WIDE=wide(),
         )
     return out

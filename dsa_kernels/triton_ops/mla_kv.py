@@ -8,6 +8,7 @@ import triton.language as tl
 
 from dsa_kernels.layout import FP8_DTYPE, FP8_MAX, FP8_TILE, kv_dtype_of, mla_row_bytes
 from dsa_kernels.triton_ops.checks import FLOAT_DTYPES, INDEX_DTYPES, check_len, check_tensor
+from dsa_kernels.triton_ops.offsets import as_offset, wide
 
 
 @triton.jit
@@ -15,9 +16,9 @@ def _pack_mla_kv_kernel(
     kv_c_ptr, k_pe_ptr, slots_ptr, row_ptr, row_f32_ptr, row_bf16_ptr,
     stride_c, stride_pe, row_bytes,
     L: tl.constexpr, R: tl.constexpr, BLOCK_R: tl.constexpr,
-    FP8: tl.constexpr, TILE: tl.constexpr, N_TILES: tl.constexpr, FMAX: tl.constexpr,
+    FP8: tl.constexpr, TILE: tl.constexpr, N_TILES: tl.constexpr, FMAX: tl.constexpr, WIDE: tl.constexpr,
 ):
-    i = tl.program_id(0)
+    i = as_offset(tl.program_id(0), WIDE)
     slot = tl.load(slots_ptr + i).to(tl.int64)
     r = tl.arange(0, BLOCK_R)
     pe = tl.load(k_pe_ptr + i * stride_pe + r, mask=r < R, other=0.0).to(tl.float32)  # [BLOCK_R]
@@ -27,7 +28,8 @@ def _pack_mla_kv_kernel(
         x = tl.load(kv_c_ptr + i * stride_c + tile).to(tl.float32)
         scale = tl.max(tl.abs(x), axis=1) / FMAX  # [N_TILES]
         safe = tl.where(scale > 0, scale, 1.0)
-        tl.store(row_ptr + slot * row_bytes + tile, (x / safe[:, None]).to(row_ptr.dtype.element_ty))
+        # IEEE division (not the approximate div.full.f32 of `/`) so GPU bytes equal the torch reference's
+        tl.store(row_ptr + slot * row_bytes + tile, tl.math.div_rn(x, safe[:, None]).to(row_ptr.dtype.element_ty))
         # 2. scales as fp32 at bytes [L, L + 4 * N_TILES)
         tl.store(row_f32_ptr + (slot * row_bytes + L) // 4 + tl.arange(0, N_TILES), scale)
         # 3. rope as bf16 at bytes [L + 4 * N_TILES, row_bytes)
@@ -46,9 +48,9 @@ def _pack_mla_kv_kernel(
 def _unpack_mla_kv_kernel(
     slots_ptr, row_ptr, row_f32_ptr, row_bf16_ptr, kv_c_ptr, k_pe_ptr, row_bytes,
     L: tl.constexpr, R: tl.constexpr, BLOCK_R: tl.constexpr,
-    FP8: tl.constexpr, TILE: tl.constexpr, N_TILES: tl.constexpr,
+    FP8: tl.constexpr, TILE: tl.constexpr, N_TILES: tl.constexpr, WIDE: tl.constexpr,
 ):
-    i = tl.program_id(0)
+    i = as_offset(tl.program_id(0), WIDE)
     slot = tl.load(slots_ptr + i).to(tl.int64)
     r = tl.arange(0, BLOCK_R)
     if FP8:
@@ -102,7 +104,7 @@ def pack_mla_kv(kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor, 
     _pack_mla_kv_kernel[(kv_c.shape[0],)](
         kv_c, k_pe, slots, f8, f32, bf16, kv_c.stride(0), k_pe.stride(0), row_bytes,
         L=lat, R=rope, BLOCK_R=triton.next_power_of_2(rope),
-        FP8=fp8, TILE=tile, N_TILES=max(1, lat // FP8_TILE), FMAX=FP8_MAX,
+        FP8=fp8, TILE=tile, N_TILES=max(1, lat // FP8_TILE), FMAX=FP8_MAX, WIDE=wide(),
     )
 
 
@@ -122,6 +124,6 @@ def unpack_mla_kv(kv_cache: torch.Tensor, slots: torch.Tensor, kv_lora_rank: int
             slots, f8, f32, bf16, kv_c, k_pe, row_bytes,
             L=lat, R=rope, BLOCK_R=triton.next_power_of_2(rope),
             FP8=fp8, TILE=FP8_TILE if fp8 else min(FP8_TILE, triton.next_power_of_2(lat)),
-            N_TILES=max(1, lat // FP8_TILE),
+            N_TILES=max(1, lat // FP8_TILE), WIDE=wide(),
         )
     return kv_c, k_pe

@@ -7,11 +7,13 @@ import triton
 import triton.language as tl
 
 from dsa_kernels.triton_ops.checks import INDEX_DTYPES, check_tensor
+from dsa_kernels.triton_ops.offsets import as_offset, wide
 
 
 @triton.jit
-def _copy_pages_kernel(src_ptr, dst_ptr, ids_ptr, words, GATHER: tl.constexpr, BLOCK: tl.constexpr):
-    i = tl.program_id(0)
+def _copy_pages_kernel(src_ptr, dst_ptr, ids_ptr, words, GATHER: tl.constexpr, BLOCK: tl.constexpr,
+                       WIDE: tl.constexpr):
+    i = as_offset(tl.program_id(0), WIDE)
     w = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     page = tl.load(ids_ptr + i).to(tl.int64)
     src_row = page if GATHER else i
@@ -31,7 +33,7 @@ def _launch(src: torch.Tensor, dst: torch.Tensor, ids: torch.Tensor, gather: boo
     s, d = _words(src), _words(dst)
     block = 1024
     grid = (ids.shape[0], triton.cdiv(s.shape[1], block))
-    _copy_pages_kernel[grid](s, d, ids, s.shape[1], GATHER=gather, BLOCK=block)
+    _copy_pages_kernel[grid](s, d, ids, s.shape[1], GATHER=gather, BLOCK=block, WIDE=wide())
 
 
 def _check(pages: torch.Tensor, page_ids: torch.Tensor) -> None:

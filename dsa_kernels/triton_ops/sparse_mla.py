@@ -1,4 +1,8 @@
-"""Sparse MLA prefill attention, absorbed form, over cache rows chosen by top-k indices."""
+"""Sparse MLA prefill attention, absorbed form, over cache rows chosen by top-k indices.
+
+On a GPU the dots take bf16 operands (the bf16 cache as stored, q and the probabilities rounded to
+bf16, as FlashMLA does) with fp32 accumulation; under the interpreter everything stays fp32.
+"""
 
 from __future__ import annotations
 
@@ -9,35 +13,41 @@ import triton
 import triton.language as tl
 
 from dsa_kernels.triton_ops.checks import FLOAT_DTYPES, check_tensor
+from dsa_kernels.triton_ops.offsets import as_offset, wide
+from lsconfig import envs
 
 
 @triton.jit
 def _sparse_mla_prefill_kernel(
     q_ptr, kv_ptr, idx_ptr, out_ptr, lse_ptr,
-    stride_qt, stride_qh, stride_kv, stride_it, stride_ot, stride_oh, topk, sm_scale,
+    stride_qt, stride_qh, stride_kv, stride_it, stride_ot, stride_oh, topk, n_rows, sm_scale,
     H: tl.constexpr, BLOCK_H: tl.constexpr, L: tl.constexpr, R: tl.constexpr, BLOCK_R: tl.constexpr,
-    BLOCK_K: tl.constexpr,
+    BLOCK_K: tl.constexpr, DOT_BF16: tl.constexpr, WIDE: tl.constexpr,
 ):
-    t = tl.program_id(0)
+    t = as_offset(tl.program_id(0), WIDE)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     hmask = h < H
     c = tl.arange(0, L)
     r = tl.arange(0, BLOCK_R)
+    # operands of tl.dot: bf16 on a GPU (tensor cores, fp32 accumulation), fp32 in the interpreter,
+    # whose bf16 arithmetic is wrong
+    op_ty = tl.bfloat16 if DOT_BF16 else tl.float32
     q_row = q_ptr + t * stride_qt + h[:, None] * stride_qh
-    q_lat = tl.load(q_row + c[None, :], mask=hmask[:, None], other=0.0).to(tl.float32)  # [BLOCK_H, L]
-    q_pe = tl.load(q_row + L + r[None, :], mask=hmask[:, None] & (r[None, :] < R), other=0.0).to(tl.float32)
+    q_lat = tl.load(q_row + c[None, :], mask=hmask[:, None], other=0.0).to(op_ty)  # [BLOCK_H, L]
+    q_pe = tl.load(q_row + L + r[None, :], mask=hmask[:, None] & (r[None, :] < R), other=0.0).to(op_ty)
     m = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_sum = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, L], tl.float32)
     for k0 in range(0, topk, BLOCK_K):
-        # 1. gather the selected rows; -1 (and the tail past topk) is masked out
+        # 1. gather the selected rows; an index outside [0, n_rows) (-1 padding included) and the
+        #    tail past topk are masked out, as FlashMLA does
         k = k0 + tl.arange(0, BLOCK_K)
         idx = tl.load(idx_ptr + t * stride_it + k, mask=k < topk, other=-1).to(tl.int64)
-        valid = idx >= 0
+        valid = (idx >= 0) & (idx < n_rows)
         row = kv_ptr + tl.where(valid, idx, 0) * stride_kv
-        kv_lat = tl.load(row[:, None] + c[None, :], mask=valid[:, None], other=0.0).to(tl.float32)  # [BLOCK_K, L]
-        kv_pe = tl.load(row[:, None] + L + r[None, :], mask=valid[:, None] & (r[None, :] < R), other=0.0).to(tl.float32)
-        # 2. scores [BLOCK_H, BLOCK_K]
+        kv_lat = tl.load(row[:, None] + c[None, :], mask=valid[:, None], other=0.0).to(op_ty)  # [BLOCK_K, L]
+        kv_pe = tl.load(row[:, None] + L + r[None, :], mask=valid[:, None] & (r[None, :] < R), other=0.0).to(op_ty)
+        # 2. scores [BLOCK_H, BLOCK_K], fp32
         s = (tl.dot(q_lat, tl.trans(kv_lat)) + tl.dot(q_pe, tl.trans(kv_pe))) * sm_scale
         s = tl.where(valid[None, :], s, float("-inf"))
         # 3. online softmax; a head that has seen no valid row keeps m = -inf, so shift by 0 there
@@ -46,9 +56,9 @@ def _sparse_mla_prefill_kernel(
         alpha = tl.exp(m - shift)
         p = tl.exp(s - shift[:, None])
         l_sum = l_sum * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p, kv_lat)
+        acc = acc * alpha[:, None] + tl.dot(p.to(op_ty), kv_lat)
         m = m_new
-    # 4. normalise; rows with no valid index give out = 0, lse = -inf
+    # 4. normalise; rows with no valid index give out = 0, lse = -inf (our contract; FlashMLA: +inf)
     has = l_sum > 0
     out = acc / tl.where(has, l_sum, 1.0)[:, None]
     lse = tl.where(has, m + tl.log(tl.where(has, l_sum, 1.0)), float("-inf"))
@@ -86,8 +96,9 @@ def sparse_mla_prefill(
     _sparse_mla_prefill_kernel[(t_count, triton.cdiv(heads, block_h))](
         q, kv_cache, indices, out, lse,
         q.stride(0), q.stride(1), kv_cache.stride(0), indices.stride(0), out.stride(0), out.stride(1),
-        indices.shape[1], float(sm_scale),
+        indices.shape[1], kv_cache.shape[0], float(sm_scale),
         H=heads, BLOCK_H=block_h, L=lat, R=rope, BLOCK_R=max(16, triton.next_power_of_2(rope)), BLOCK_K=32,
+        DOT_BF16=not envs.triton_interpret() and kv_cache.dtype == torch.bfloat16, WIDE=wide(),
     )
     return out, lse
 

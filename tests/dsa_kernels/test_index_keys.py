@@ -1,7 +1,10 @@
-"""Indexer-key fp8 paging: exact layout bytes, backend agreement, round trip, errors."""
+"""Indexer-key fp8 paging: exact layout bytes (ue8m0 scales), backend agreement, round trip, errors."""
 
 from __future__ import annotations
 
+import math
+
+import numpy as np
 import pytest
 import torch
 
@@ -13,13 +16,19 @@ SHAPES = [(0, 128, 1), (1, 128, 1), (63, 128, 2), (64, 128, 2), (65, 128, 3), (1
 IDS = [f"n{n}-d{d}-p{p}" for n, d, p in SHAPES]
 
 
+def ue8m0(amax: float) -> float:
+    """From the layout doc: 2 ** ceil(log2(max(amax, 1e-4) * fp32(1/448))), the product in fp32."""
+    x = float(np.float32(max(amax, 1e-4)) * np.float32(1.0 / 448.0))
+    return 2.0 ** math.ceil(math.log2(x))
+
+
 def expected_page_bytes(keys: torch.Tensor, slots: torch.Tensor, num_pages: int) -> torch.Tensor:
     """Oracle written from the layout doc: per page, 64 x D key bytes, then 64 fp32 scales."""
     d = keys.shape[1]
     cache = torch.zeros(num_pages, 64 * (d + 4), dtype=torch.uint8)
     for k, slot in zip(keys, slots.tolist()):
         page, off = divmod(slot, 64)
-        scale = max(float(k.abs().max()), 1e-4) / 448.0
+        scale = ue8m0(float(k.abs().max()))
         cache[page, off * d:(off + 1) * d] = (k / scale).to(torch.float8_e4m3fn).view(torch.uint8)
         cache[page, 64 * d + 4 * off:64 * d + 4 * off + 4] = torch.tensor([scale]).view(torch.uint8)
     return cache
@@ -62,7 +71,18 @@ def test_zero_key_gets_floor_scale(backend, device):
     slots = torch.tensor([5], device=device)
     op("quantize_index_keys", backend, device)(torch.zeros(1, 128, device=device), cache, slots)
     scale = cache[0, 64 * 128 + 20:64 * 128 + 24].cpu().view(torch.float32)
-    assert float(scale) == pytest.approx(1e-4 / 448.0)
+    assert float(scale) == 2.0**-22  # 1e-4 / 448 = 2.2e-7, rounded up to a power of two
+
+
+@pytest.mark.parametrize("amax,want", [(448.0, 1.0), (448.0 * (1 + 2**-10), 2.0), (447.0, 1.0), (7.0, 2.0**-6),
+                                       (3e38, 2.0**120)], ids=["exact-pow2", "just-above", "just-below", "small", "huge"])
+def test_ue8m0_scale_rounds_up_to_power_of_two(backend, device, amax, want):
+    """The scale's boundary cases: an exact power of two stays, anything above goes to the next one."""
+    keys = torch.zeros(1, 128, device=device)
+    keys[0, 3] = amax
+    cache = torch.zeros(1, layout.index_page_bytes(128), dtype=torch.uint8, device=device)
+    op("quantize_index_keys", backend, device)(keys, cache, torch.tensor([0], device=device))
+    assert float(cache[0, 64 * 128:64 * 128 + 4].cpu().view(torch.float32)) == want == ue8m0(amax)
 
 
 def test_untouched_slots_keep_their_bytes(backend, device):
