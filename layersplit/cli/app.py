@@ -6,10 +6,12 @@
 from __future__ import annotations
 
 import argparse
-import json
+import signal
 import sys
+import threading
 
 from lsconfig.config_io import ConfigError
+from layersplit import __version__
 from layersplit.cli import gpu_check_cmd, monitor_cmd, options, plan_cmd, prefill_cmd, stress_cmd, sweep_cmd
 
 
@@ -18,6 +20,7 @@ _int_at_least = options.int_at_least
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="layersplit", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     plan_cmd.add_parser(sub, _int_at_least)
     stress_cmd.add_parser(sub, _int_at_least)
@@ -28,17 +31,46 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class Terminated(BaseException):
+    """SIGTERM, raised in the main thread so ``finally`` blocks run (rank processes are ended,
+    files being written are closed) before the exit."""
+
+
+def _on_sigterm(signum, frame) -> None:
+    raise Terminated()
+
+
+def _command_name(args: argparse.Namespace) -> str:
+    words = [getattr(args, "command", None), getattr(args, "target", None), getattr(args, "action", None)]
+    return " ".join(w for w in words if w)
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Run one command; returns its exit status: 0 ok, 1 the check it ran failed, 2 bad input
+    (one line naming the flag or config field), 130 interrupted (Ctrl-C), 143 terminated (SIGTERM)."""
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
     except SystemExit as exc:  # argparse's usage errors (exit 2), --help and --version (exit 0)
         return int(exc.code or 0)
+    name = _command_name(args)
+    previous = None
+    if threading.current_thread() is threading.main_thread():
+        previous = signal.signal(signal.SIGTERM, _on_sigterm)
     try:
         return args.func(args)
     except (ConfigError, ValueError) as exc:
-        print(f"layersplit {args.command}: error: {exc}", file=sys.stderr)
+        print(f"layersplit {name}: error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print(f"layersplit {name}: interrupted", file=sys.stderr)
+        return 130
+    except Terminated:
+        print(f"layersplit {name}: terminated", file=sys.stderr)
+        return 143
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
 
 
 if __name__ == "__main__":

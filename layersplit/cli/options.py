@@ -88,3 +88,17 @@ def readable_file(text: str) -> Path:
     if not os.access(path, os.R_OK):
         raise argparse.ArgumentTypeError(f"cannot read {text!r}")
     return path
+
+
+_FLAG_OF = {"cp_size": "cp"}  # library argument names that differ from the flag
+
+
+def as_flag(message: str) -> str:
+    """A library error that starts with its argument's name (``context_len: expected ...``) as the
+    flag a user typed (``--context-len: expected ...``); other messages unchanged."""
+    head, sep, rest = message.partition(" ")
+    name = head.rstrip(":")
+    if sep and name.isidentifier() and name.islower() and (head.endswith(":") or rest.startswith("'")):
+        flag = _FLAG_OF.get(name, name)
+        return "--" + flag.replace("_", "-") + message[len(name):]
+    return message

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 
+from layersplit.cli import options
 from layersplit.engine.ownership import STRATEGIES
 from layersplit.plan.capacity import PLACEMENTS, WEIGHT_BYTES, PlanRequest, capacity_plan
 from layersplit.plan.config import load_hardware, load_model
@@ -85,12 +86,18 @@ def _format_plan(r: dict) -> str:
 
 
 def _run_plan(args: argparse.Namespace) -> int:
-    model, hw = load_model(args.model), load_hardware(args.hardware)
+    try:
+        model, hw = load_model(args.model), load_hardware(args.hardware)
+    except ValueError as exc:
+        raise ValueError(options.as_flag(str(exc))) from None
     req = PlanRequest(cp=args.cp, kv_dtype=args.kv_dtype, max_batch_tokens=args.max_batch_tokens,
                       max_requests=args.max_requests,
                       context_len=args.context_len, mem_fraction=args.mem_fraction, weight_dtype=args.weight_dtype,
                       weight_shards=args.weight_shards, ownership=args.ownership,
                       weight_placement=args.weight_placement)
-    result = capacity_plan(model, hw, req)
+    try:
+        result = capacity_plan(model, hw, req)
+    except ValueError as exc:  # the library names its field; the user typed the flag
+        raise ValueError(options.as_flag(str(exc))) from None
     print(json.dumps(result) if args.json else _format_plan(result))
     return 0

@@ -1,5 +1,5 @@
 """``layersplit prefill``: run the CP prefill engine on real rank processes and check it against the
-single-process reference."""
+single-process reference (the work is :func:`layersplit.engine.prefill.prefill`)."""
 
 from __future__ import annotations
 
@@ -13,60 +13,72 @@ from layersplit.engine.ownership import STRATEGIES
 
 
 def add_parser(sub: argparse._SubParsersAction, int_at_least) -> None:
-    p = sub.add_parser("prefill", help="CP prefill of cached-prefix requests (redundant vs layersplit)")
-    p.add_argument("--model", default="tiny", help="model config (CPU: tiny)")
-    p.add_argument("--cp", type=int_at_least(1), required=True, help="CP ranks (processes)")
-    p.add_argument("--mode", choices=MODES, required=True)
-    p.add_argument("--context", type=int_at_least(2), default=8192, help="context tokens per request")
-    p.add_argument("--hit", type=options.number_in(0, 1, high_open=True), default=0.9, help="cached share of each request's context, in [0, 1)")
-    p.add_argument("--requests", type=int_at_least(1), default=1)
-    p.add_argument("--ownership", choices=STRATEGIES, default="contiguous")
-    p.add_argument("--split", choices=SPLITS, default="zigzag", help="how new tokens are split over ranks")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--trace", default=None, help="write a Chrome trace-event JSON here")
-    p.add_argument("--json", action="store_true")
+    p = sub.add_parser("prefill", help="CP prefill of cached-prefix requests (redundant vs layersplit)",
+                       description="Prefill synthetic requests on --cp rank processes (gloo on CPU, NCCL on CUDA) "
+                                   "and check the hidden states against the single-process reference.")
+    p.add_argument("--model", default="tiny", help="model config name (configs/models) or YAML path; the engine "
+                                                   "keeps fp32 weights per process, so on a CPU: tiny (default)")
+    p.add_argument("--cp", type=int_at_least(1), required=True, help="CP ranks (one process each)")
+    p.add_argument("--mode", choices=MODES, required=True,
+                   help="redundant: every layer on every rank (SGLang CP); layersplit: owned layers + broadcasts")
+    p.add_argument("--context-len", type=int_at_least(2), default=8192, dest="context_len",
+                   help="context tokens per request (default 8192)")
+    p.add_argument("--context", type=int_at_least(2), dest="context_len", help=argparse.SUPPRESS)  # old name
+    p.add_argument("--hit", type=options.number_in(0, 1, high_open=True), default=0.9,
+                   help="cached share of each request's context, in [0, 1) (default 0.9)")
+    p.add_argument("--requests", type=int_at_least(1), default=1, help="requests in the batch (default 1)")
+    p.add_argument("--ownership", choices=STRATEGIES, default="contiguous",
+                   help="which rank owns which layers (default contiguous, as upstream SGLang)")
+    p.add_argument("--split", choices=SPLITS, default="zigzag", help="how new tokens are split over ranks (default zigzag)")
+    p.add_argument("--seed", type=options.seed, default=0, help="seed of the synthetic requests (default 0)")
+    p.add_argument("--trace", type=options.writable_file, default=None,
+                   help="write a Chrome trace-event JSON here (checked before the run)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=run_prefill)
 
 
+def _text(r: dict) -> str:
+    kv = r["kv_bytes_per_rank"]
+    bcast = r["bcast_bytes_per_layer"]
+    rows = [
+        ("model / CP / mode", f"{r['model']} / {r['cp']} ranks / {r['mode']} ({r['ownership']} ownership, "
+                              f"{r['split']} split)"),
+        ("requests x context", f"{r['requests']} x {r['context_len']:,} tokens, {r['hit']:.0%} cached, "
+                               f"{r['new_tokens']:,} new tokens"),
+        ("prefill time (measured)", f"{r['prefill_seconds'] * 1e3:,.1f} ms on {r['measured_on']}"),
+        ("throughput (measured)", f"{r['tokens_per_s']:,.0f} new tokens/s"),
+        ("KV per rank: owned + scratch", ", ".join(f"r{i}: {k['owned'] / 2**20:,.2f} + {k['scratch'] / 2**20:,.2f} MiB"
+                                                    for i, k in enumerate(kv))),
+        ("broadcast per layer (rank 0)", (f"{sum(bcast.values()) / max(len(bcast), 1) / 2**20:,.3f} MiB on average "
+                                          f"over {len(bcast)} layers") if bcast else "none"),
+        ("max |deviation| vs reference", f"{r['max_abs_deviation_vs_reference']:.3g}"),
+    ]
+    if "sanitizer_hazards" in r:
+        rows.append(("sanitizer hazards", str(r["sanitizer_hazards"])))
+    if r.get("trace"):
+        rows.append(("trace", r["trace"]))
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+
+
 def run_prefill(args: argparse.Namespace) -> int:
-    import torch
-
-    from dsa_kernels.layout import PAGE_SIZE
-    from layersplit.plan.config import load_model
-    from layersplit.engine.engine import EngineConfig
-    from layersplit.engine.launcher import Scenario, cp_backend, run_cp, run_reference
-    from layersplit.engine.requests import synthetic_requests
+    from layersplit.engine.prefill import prefill
     from layersplit.engine.trace import write_trace
+    from layersplit.plan.config import load_model
 
-    model = load_model(args.model)
-    requests = synthetic_requests(args.requests, args.context, args.hit, model.vocab_size, args.seed)
-    tokens = args.requests * args.context
-    cfg = EngineConfig(mode=args.mode, cp=args.cp, ownership=args.ownership, split=args.split,
-                       pool_pages=args.requests * (-(-args.context // PAGE_SIZE)), max_batch_tokens=tokens,
-                       max_requests=args.requests)
-    scenario = Scenario("cli", requests, cfg)
-    result = run_cp(model, [scenario], args.cp)[0]
-    reference = run_reference(model, scenario)
-    new_tokens = sum(len(r.new_tokens) for r in requests)
-    report = {
-        "model": model.name, "cp": args.cp, "mode": args.mode, "ownership": args.ownership, "split": args.split,
-        "requests": args.requests, "context": args.context, "hit": args.hit, "new_tokens": new_tokens,
-        "prefill_seconds": result.seconds, "tokens_per_s": new_tokens / result.seconds,
-        "kv_bytes_per_rank": [r.kv_bytes for r in result.ranks],
-        "bcast_bytes_per_layer": result.ranks[0].bcast_bytes if args.cp > 1 else {},
-        "max_abs_deviation_vs_reference": float((result.hidden - reference.hidden).abs().max()),
-        "measured_on": f"cuda ({cp_backend()})" if torch.cuda.is_available() else "cpu (gloo, emulated streams)",
-    }
-    if result.ranks[0].hazards is not None:  # LAYERSPLIT_SANITIZE=1: every rank and the reference
-        hazards = sorted({h for r in [*result.ranks, *reference.ranks] for h in r.hazards})
-        report["sanitizer_hazards"] = len(hazards)
-        report["sanitizer_hazard_list"] = hazards
+    try:
+        model = load_model(args.model)
+    except ValueError as exc:
+        raise ValueError(f"--model: {exc}") from None
+    try:
+        result = prefill(model, cp=args.cp, mode=args.mode, context_len=args.context_len, hit=args.hit,
+                         requests=args.requests, seed=args.seed, ownership=args.ownership, split=args.split,
+                         trace=bool(args.trace))
+    except ValueError as exc:  # the library names its argument; the user typed the flag
+        raise ValueError(options.as_flag(str(exc))) from None
+    report = result.as_dict()
     if args.trace:
-        write_trace(args.trace, [e for r in result.ranks for e in r.trace])
-        report["trace"] = args.trace
-    if args.json:
-        print(json.dumps(report))
-    else:
-        for key, value in report.items():
-            print(f"{key:<32} {value}")
+        write_trace(args.trace, result.trace_events)
+        report["trace"] = str(args.trace)
+    print(json.dumps(report) if args.json else _text(report))
     return 1 if report.get("sanitizer_hazards") else 0  # a missing stream edge is a bug

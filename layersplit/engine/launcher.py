@@ -9,7 +9,12 @@ from __future__ import annotations
 
 import io
 import os
+import queue as queue_mod
+import signal
 import socket
+import sys
+import threading
+import time
 from dataclasses import dataclass, replace
 
 import torch
@@ -75,7 +80,24 @@ def _run_rank(model: ModelConfig, scenarios: list[Scenario], rank: int) -> list[
     return out
 
 
-def _worker(rank: int, world: int, port: int, model: ModelConfig, scenarios: list[Scenario], queue) -> None:
+def _die_with_parent() -> None:
+    """Linux: the kernel sends this process SIGKILL when the parent that spawned it exits, however it
+    exits (SIGTERM, SIGKILL, a crash), so no rank is left computing as an orphan."""
+    if sys.platform != "linux":
+        return
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        return
+
+
+def _worker(rank: int, world: int, port: int, model: ModelConfig, scenarios: list[Scenario], queue,
+            parent: int | None = None) -> None:
+    _die_with_parent()
+    if parent is not None and os.getppid() != parent:  # the parent died before the death signal was armed
+        os._exit(1)
     torch.set_num_threads(1)  # N ranks share the machine's cores
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # the ranks talk over loopback
     backend = cp_backend()
@@ -111,21 +133,42 @@ def run_cp(model: ModelConfig, scenarios: list[Scenario], cp: int, timeout_s: fl
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, cp, port, model, scenarios, queue), daemon=True) for r in range(cp)]
-    for p in procs:
-        p.start()
-    by_rank = {}
+    procs = [ctx.Process(target=_worker, args=(r, cp, port, model, scenarios, queue, os.getpid()), daemon=True)
+             for r in range(cp)]
+    # The ranks start with SIGINT ignored (inherited through exec), so Ctrl-C at a terminal, which
+    # reaches the whole process group, interrupts only this process; it then ends the ranks below.
+    main_thread = threading.current_thread() is threading.main_thread()
+    old = signal.signal(signal.SIGINT, signal.SIG_IGN) if main_thread else None
     try:
-        for _ in range(cp):
-            rank, results, error = queue.get(timeout=timeout_s)
+        for p in procs:
+            p.start()
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGINT, old)
+    by_rank, ok = {}, False
+    deadline = time.monotonic() + timeout_s
+    try:
+        while len(by_rank) < cp:
+            try:
+                rank, results, error = queue.get(timeout=0.5)
+            except queue_mod.Empty:
+                dead = [r for r, p in enumerate(procs) if r not in by_rank and not p.is_alive() and p.exitcode != 0]
+                if dead:  # a rank that died without reporting (killed, out of memory) fails the run now
+                    raise RuntimeError(f"rank {dead[0]} exited with code {procs[dead[0]].exitcode} before reporting")
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"CP ranks: no result within {timeout_s:g} s") from None
+                continue
             if error:
                 raise RuntimeError(f"rank {rank} failed:\n{error}")
             by_rank[rank] = torch.load(io.BytesIO(results), weights_only=False)
+        ok = True
     finally:
-        for p in procs:
-            p.join(timeout=30)
+        for p in procs:  # after a failure or an interrupt the ranks are ended at once
+            if ok:
+                p.join(timeout=30)
             if p.is_alive():
                 p.kill()
+                p.join(timeout=5)
     return [_merge(sc.name, [by_rank[r][i] for r in range(cp)]) for i, sc in enumerate(scenarios)]
 
 

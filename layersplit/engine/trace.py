@@ -38,4 +38,6 @@ class Tracer:
 
 
 def write_trace(path: str | Path, events: list[dict]) -> None:
-    Path(path).write_text(json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}))
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}))

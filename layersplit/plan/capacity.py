@@ -154,7 +154,14 @@ def capacity_plan(model: ModelConfig, hw: HardwareConfig, req: PlanRequest) -> d
     scratch_bytes = split.scratch_bytes
     upstream_per_token = owned_per_token + max(per_layer)
     tokens_redundant = int(budget // redundant_per_token)
+    if scratch_bytes >= budget:  # otherwise the ratio would read 0.000x as if it were an answer
+        raise ValueError(f"max_batch_tokens: two scratch slots for {req.max_batch_tokens:,} batch tokens need "
+                         f"{scratch_bytes / 2**30:,.2f} GiB, more than the {budget / 2**30:,.2f} GiB KV budget per "
+                         f"rank; expected a smaller batch")
     tokens_layersplit = max(0, int((budget - scratch_bytes) // owned_per_token))
+    if req.context_len > tokens_layersplit:
+        raise ValueError(f"context_len: expected <= {tokens_layersplit:,} tokens (what one LayerSplit rank's pool "
+                         f"holds), got {req.context_len:,}")
     tokens_upstream = int(budget // upstream_per_token)
     plugin_staging = sglang_plugin_staging_bytes(model, req.kv_dtype, req.max_batch_tokens) if req.cp > 1 else 0
     tokens_plugin = max(0, int((budget - plugin_staging) // upstream_per_token))

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from lsconfig.config_io import ConfigError, read_yaml
-from layersplit.plan.config import _build, configs_root
+from layersplit.plan.config import _build, configs_root, load_hardware, load_model
 
 ENGINES = ("real", "model")
 
@@ -54,8 +54,30 @@ def load_sweep(name_or_path: str | Path) -> SweepConfig:
     checks = [("engine", cfg.engine in ENGINES, f"one of {ENGINES}"), ("cp", cfg.cp >= 1, "an integer >= 1"),
               ("new_fraction", 0 < cfg.new_fraction <= 1, "a number in (0, 1]"),
               ("scale", 0 < cfg.scale <= 1, "a number in (0, 1]"), ("sessions", cfg.sessions >= 1, ">= 1"),
-              ("requests", cfg.requests >= 1, ">= 1"), ("repeats", cfg.repeats >= 1, ">= 1"), ("kv_dtype", cfg.kv_dtype in ("bf16", "fp8"), "bf16 or fp8")]
+              ("requests", cfg.requests >= 1, ">= 1"), ("repeats", cfg.repeats >= 1, ">= 1"),
+              ("kv_dtype", cfg.kv_dtype in ("bf16", "fp8"), "bf16 or fp8"),
+              ("max_batch_tokens", cfg.max_batch_tokens >= 1, "an integer >= 1"),
+              ("max_batch_context", cfg.max_batch_context >= 1, "an integer >= 1"),
+              ("max_batch_requests", cfg.max_batch_requests >= 1, "an integer >= 1 (requests per batch)"),
+              ("device_kv_bytes_per_rank", cfg.device_kv_bytes_per_rank >= 0, ">= 0 (0: from the capacity plan)"),
+              ("host_bytes_per_rank", cfg.host_bytes_per_rank >= 0, ">= 0"), ("seed", 0 <= cfg.seed < 2**63, "in [0, 2**63)")]
     for field_name, ok, expected in checks:
         if not ok:
             raise ConfigError(f"{path}: field '{field_name}': expected {expected}, got {getattr(cfg, field_name)!r}")
+    # the configs it names exist, and the CP group fits the model, before any rank process starts
+    model = _field(path, "model", lambda: load_model(cfg.model))
+    _field(path, "hardware", lambda: load_hardware(cfg.hardware))
+    if cfg.cp > model.num_layers:
+        raise ConfigError(f"{path}: field 'cp': expected <= {model.num_layers} (the layers of {model.name}, so every "
+                          f"rank owns one), got {cfg.cp}")
+    if cfg.scaled(min(cfg.lengths)) < 2:
+        raise ConfigError(f"{path}: field 'scale': {cfg.scale:g} leaves fewer than 2 tokens of the shortest length "
+                          f"{min(cfg.lengths)}; expected a larger scale")
     return cfg
+
+
+def _field(path: Path, name: str, load):
+    try:
+        return load()
+    except ConfigError as exc:
+        raise ConfigError(f"{path}: field '{name}': {exc}") from None

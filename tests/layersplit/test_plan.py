@@ -81,7 +81,7 @@ def test_cli_argument_errors(capsys, argv, message):
     "argv,message",
     [
         (["--model", "glm-6", "--cp", "8", "--hardware", "h200"], "model 'glm-6': expected one of"),
-        (["--model", "glm-5", "--cp", "100", "--hardware", "h200"], "cp_size: expected <= num_layers (78)"),
+        (["--model", "glm-5", "--cp", "100", "--hardware", "h200"], "--cp: expected <= num_layers (78)"),
         (["--model", "glm-5", "--cp", "8", "--hardware", "h800", "--weight-shards", "1"], "KV budget: expected > 0"),
     ],
     ids=["unknown-model", "cp-above-layers", "weights-do-not-fit"],
