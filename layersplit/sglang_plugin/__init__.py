@@ -12,7 +12,9 @@ parses its arguments), it registers through SGLang's ``HookRegistry``:
 * class REPLACE of ``LayerDoneCounter`` and ``L2TransferEngine`` by :mod:`.hicache`'s subclasses
   (indexer keys loaded first, with their own ready event), and an AROUND hook on
   ``IndexKeyCache.get_local_buffer`` so the indexer waits only for its keys;
-* with ``LAYERSPLIT_SGLANG_SPEC_MONITOR=1``, an AFTER hook on the tokenizer manager's speculative
+* with ``LAYERSPLIT_SGLANG_SPEC_MONITOR=1`` or ``--layersplit-spec-monitor`` (also without the rest), the
+  speculative-decoding monitor: an AFTER hook on the scheduler's per-verify-step method of ``Req``
+  (:mod:`.spec_step`), or, on releases without one, on the tokenizer manager's completion-time speculative
   metrics (:mod:`.monitor`).
 
 Disabled, it changes nothing. :func:`unregister` removes every hook and restores the upstream code.
@@ -45,9 +47,11 @@ def enabled(argv: list[str] | None = None) -> bool:
 def register() -> bool:
     """Entry point (zero arguments). Returns whether hooks were registered."""
     _add_server_flag()
-    if not enabled():
+    from layersplit.sglang_plugin import spec_step
+
+    plugin_on, monitor_on = enabled(), spec_step.enabled()  # the monitor also runs alone (decode workers)
+    if not (plugin_on or monitor_on):
         return False
-    from lsconfig import envs
     from layersplit.sglang_plugin import batch, compat, hicache
     from layersplit.sglang_plugin.pool import make_pool_class
 
@@ -58,19 +62,17 @@ def register() -> bool:
         original = compat.resolve(concept)
         hooks.append((compat.resolve_path(concept), make(original), hook_type.REPLACE, original))
 
-    replace_class("layer_split_pool", make_pool_class)
-    replace_class("layer_done_counter", hicache.make_counter_class)
-    replace_class("l2_transfer_engine", hicache.make_engine_class)
-    hooks.append((f"{compat.resolve_path('dsa_backend')}.{batch.TARGET_METHOD}", batch.before_init_forward_metadata,
-                  hook_type.BEFORE, None))
-    hooks.append((f"{compat.resolve_path('index_key_cache')}.{hicache.INDEX_READ_TARGET}",
-                  hicache.around_get_local_buffer, hook_type.AROUND, None))
-    if envs.sglang_spec_monitor_enabled():
-        from layersplit.sglang_plugin.monitor import TARGET, MetaInfoMonitor
-
-        monitor = MetaInfoMonitor()
-        hooks.append((TARGET, monitor.after_spec_metrics, hook_type.AFTER, None))
-        _state["monitor"] = monitor
+    if plugin_on:
+        replace_class("layer_split_pool", make_pool_class)
+        replace_class("layer_done_counter", hicache.make_counter_class)
+        replace_class("l2_transfer_engine", hicache.make_engine_class)
+        hooks.append((f"{compat.resolve_path('dsa_backend')}.{batch.TARGET_METHOD}",
+                      batch.before_init_forward_metadata, hook_type.BEFORE, None))
+        hooks.append((f"{compat.resolve_path('index_key_cache')}.{hicache.INDEX_READ_TARGET}",
+                      hicache.around_get_local_buffer, hook_type.AROUND, None))
+    if monitor_on:  # per verify step where the release allows it, else at completion (spec_step.monitor_hooks)
+        monitor_hooks, _state["monitor"] = spec_step.monitor_hooks(hook_type)
+        hooks += monitor_hooks
     for target, hook, kind, _ in hooks:
         registry.register(target, hook, kind)
         log.info("layersplit: %s hook on %s", kind.value, target)
@@ -85,6 +87,8 @@ def _add_server_flag() -> None:
         server_args = importlib.import_module("sglang.srt.server_args")
     except ImportError:
         return
+    from layersplit.sglang_plugin import spec_step
+
     cls = getattr(server_args, "ServerArgs", None)
     add = getattr(cls, "add_cli_args", None)
     if add is None or getattr(add, "_layersplit", False):
@@ -98,6 +102,7 @@ def _add_server_flag() -> None:
                                 help="layersplit plug-in: row-only layer-split broadcasts with double-buffered "
                                      "batch-sized staging, and indexer-first HiCache loads (same as "
                                      "LAYERSPLIT_SGLANG_PLUGIN=1)")
+        spec_step.add_server_flag(parser)
 
     add_cli_args._layersplit = True
     add_cli_args.__wrapped__ = original
@@ -138,5 +143,6 @@ def unregister() -> None:
 
 
 def spec_monitor():
-    """The registered :class:`layersplit.sglang_plugin.monitor.MetaInfoMonitor` (its Prometheus counters), or None."""
+    """The registered spec monitor (:class:`.spec_step.SpecStepMonitor`, or the completion-time
+    :class:`.monitor.MetaInfoMonitor`) with its counters, or None."""
     return _state.get("monitor")

@@ -30,7 +30,29 @@ NAMES: dict[str, tuple[str, ...]] = {
     "hook_type": ("sglang.srt.plugins.hook_registry:HookType",),
     "layer_done_counter": ("sglang.srt.managers.cache_controller:LayerDoneCounter",),
     "get_parallel": ("sglang.srt.runtime_context:get_parallel",),
+    "get_spec": ("sglang.srt.runtime_context:get_spec",),
+    "finish_abort": ("sglang.srt.managers.schedule_batch:FINISH_ABORT",),
 }
+
+
+# The Req method SGLang calls once per request per verify step with that step's accepted drafts, after adding
+# the step to the request's counters (0.5.23: ``_resolve_spec_v2_tokens``), newest first. The older spelling is
+# unverified here. A release with none gets the completion-time monitor (``monitor.py``) instead.
+SPEC_STEP_METHODS = ("sglang.srt.managers.schedule_batch:Req.update_spec_correct_drafts_histogram",
+                     "sglang.srt.managers.schedule_batch:Req.update_spec_acceptance_histogram")
+
+
+def spec_step_target() -> str | None:
+    """The HookRegistry path of the per-step speculative method in the installed release, or None."""
+    for candidate in SPEC_STEP_METHODS:
+        module, attr = candidate.split(":")
+        cls_name, method = attr.split(".")
+        try:
+            if callable(getattr(getattr(importlib.import_module(module), cls_name, None), method, None)):
+                return f"{module}.{attr}"
+        except ImportError:
+            continue
+    return None
 
 
 def resolve_path(concept: str) -> str:
