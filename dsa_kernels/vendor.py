@@ -119,7 +119,7 @@ def _flash_mla_call(fn, q, kv_cache, indices, sm_scale: float, kv_lora_rank: int
 
 
 @functools.cache
-def flash_mla_lse_base(version: str, device_index: int = 0) -> float | None:
+def flash_mla_lse_base(version: str, device: torch.device) -> float | None:
     """FlashMLA's lse base for this ``sgl_kernel`` version, measured: ``2.0``, ``math.e`` or None.
 
     A tiny probe (one sm-multiple of heads, 576-wide rows, 64 indices) is compared with the natural
@@ -130,7 +130,7 @@ def flash_mla_lse_base(version: str, device_index: int = 0) -> float | None:
     found = _flash_mla()
     if found is None:
         return None
-    fn, dev = found[0], torch.device("cuda", device_index)
+    fn, dev = found[0], device
     gen = torch.Generator().manual_seed(0)
     heads = FLASH_MLA_HEAD_MULTIPLE[_capability(dev)[0]]
     q = torch.randn(4, heads, 576, generator=gen).to(torch.bfloat16).to(dev)
@@ -152,7 +152,7 @@ def sparse_mla_prefill(q, kv_cache, indices, sm_scale: float, kv_lora_rank: int)
         flash_mla_unsupported(q, kv_cache, indices, kv_lora_rank)
     base = None
     if reason is None:
-        base = flash_mla_lse_base(found[1], q.device.index or 0)
+        base = flash_mla_lse_base(found[1], q.device)
         if base is None:
             reason = f"lse base of sgl_kernel {found[1]} not established (probe matched neither e nor 2)"
     if reason is not None:

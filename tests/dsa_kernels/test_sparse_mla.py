@@ -69,6 +69,21 @@ def test_matches_oracle(backend, device, name):
     assert err <= lse_tol * want_lse[finite].abs().max().clamp_min(1.0)
 
 
+def test_index_outside_cache_is_masked_like_minus_one(backend, device):
+    """Indices >= the cache's rows (as FlashMLA) or < -1 select nothing: the result equals the same call
+    with those entries replaced by -1, and a row of only such indices is fully masked."""
+    q, kv, idx = build(5, 3, 16, 128, 16, 40, seed=9)
+    bad = idx.clone()
+    bad[0, :4] = torch.tensor([40, 41, 2**31 - 1, -7], dtype=torch.int32)
+    bad[2] = 40 + torch.arange(16, dtype=torch.int32)
+    clean = torch.where((bad >= 0) & (bad < 40), bad, -1)
+    fn = op("sparse_mla_prefill", backend, device)
+    out, lse = fn(q.to(device), kv.to(device), bad.to(device), 0.1, 128)
+    want_out, want_lse = fn(q.to(device), kv.to(device), clean.to(device), 0.1, 128)
+    assert_same_inf(lse.cpu(), want_lse.cpu())
+    assert torch.equal(out.cpu(), want_out.cpu()) and torch.isneginf(lse[2]).all()
+
+
 def test_masked_row_is_zero(backend, device):
     q, kv, idx = build(4, 3, 8, 128, 16, 20, seed=5)
     out, lse = op("sparse_mla_prefill", backend, device)(q.to(device), kv.to(device), idx.to(device), 0.1, 128)
