@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import argparse
 import time
+from dataclasses import replace
 from pathlib import Path
+
+from layersplit.cli import options
 
 
 def add_parser(sub: argparse._SubParsersAction, int_at_least) -> None:
@@ -12,7 +15,8 @@ def add_parser(sub: argparse._SubParsersAction, int_at_least) -> None:
     p.add_argument("--engine", choices=("real", "model"), default=None,
                    help="real: measured on this machine (default config 'cpu'); model: the GLM-5 / 8xH200 cost model")
     p.add_argument("--config", default=None, help="sweep config name (configs/sweeps) or YAML path")
-    p.add_argument("--out", default="out/sweep", help="folder for points.jsonl, table.md, throughput.png")
+    p.add_argument("--out", type=options.writable_dir, default=Path("out/sweep"),
+                   help="folder for points.jsonl, table.md, throughput.png (default out/sweep; checked before the run)")
     p.add_argument("--map", default=None,
                    help="also a gain map over length x this axis: 'sessions=8,16,32,64,128' or "
                         "'host_gb=64,256,1024' (model engine); writes gain_map.png and gain_map.md")
@@ -20,32 +24,25 @@ def add_parser(sub: argparse._SubParsersAction, int_at_least) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import json
-    from dataclasses import replace
-
     from tqdm import tqdm
 
-    from layersplit.serving.sweep import modes_of, run_sweep, table, write_outputs
+    from layersplit.api import sweep
+    from layersplit.serving.sweep import modes_of, table
     from layersplit.serving.sweep_config import load_sweep
 
     name = args.config or ("glm5-h200" if args.engine == "model" else "cpu")
-    cfg = load_sweep(name)
-    if args.engine and args.engine != cfg.engine:
-        cfg = replace(cfg, engine=args.engine)
-    axis = _parse_map(args.map) if args.map else None  # bad input fails before any work
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        cfg = load_sweep(name)  # every field checked (and the CP size against the model) before any work
+    except ValueError as exc:
+        raise ValueError(f"--config: {exc}") from None
+    axis = _parse_map(args.map) if args.map else None
+    out = args.out
     start = time.perf_counter()
-    stream = out / "points.jsonl"
-    stream.write_text("")  # points are appended as each length finishes: an interrupted sweep keeps them
-
-    def keep(points: list[dict]) -> None:
-        with stream.open("a") as f:
-            f.write("".join(json.dumps(p) + "\n" for p in points))
-
     with tqdm(total=len(modes_of(cfg)) * len(cfg.lengths), unit="point", leave=False) as bar:
-        points = run_sweep(cfg, progress=bar.update, on_length=keep)
-    paths = write_outputs(points, cfg, out)
+        points = sweep(name, engine=args.engine, out=out, progress=bar.update)  # points.jsonl grows per length
+    if args.engine:
+        cfg = replace(cfg, engine=args.engine)
+    paths = {"jsonl": out / "points.jsonl", "table": out / "table.md", "plot": out / "throughput.png"}
     print(table(points, cfg))
     if axis:
         from layersplit.serving.gain_map import run_map

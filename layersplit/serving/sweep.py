@@ -172,26 +172,38 @@ def plot(points: list[dict], cfg: SweepConfig, path: Path) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     kind = points[0]["kind"]
     fig, (ax, ax2) = plt.subplots(1, 2, figsize=(12, 4.2))
+    colors = {m: f"C{i}" for i, m in enumerate(modes_of(cfg))}  # one colour per mode in both panels
     for mode in modes_of(cfg):
         pts = [p for p in points if p["mode"] == mode]
-        ax.plot([p["length"] / 1000 for p in pts], [p["request_tokens_per_s"] for p in pts], marker="o", label=mode)
+        ax.plot([p["length"] / 1000 for p in pts], [p["request_tokens_per_s"] for p in pts], marker="o", label=mode,
+                color=colors[mode])
         if mode != "redundant":
-            ax2.plot([p["length"] / 1000 for p in pts], [p["gain_vs_redundant"] for p in pts], marker="o", label=mode)
-    ax2.scatter([k / 1000 for k in SEED_GAIN], list(SEED_GAIN.values()), marker="*", s=150, color="k", zorder=5,
-                label="seed's published gains (two points)")
+            ax2.plot([p["length"] / 1000 for p in pts], [p["gain_vs_redundant"] for p in pts], marker="o", label=mode,
+                     color=colors[mode])
+    ax.yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:,.0f}"))
+    ax2.scatter([k / 1000 for k in SEED_GAIN], list(SEED_GAIN.values()), marker="*", s=160, color="k", zorder=5,
+                label="seed's published gain (2 points, not a curve)")
+    for length, gain in SEED_GAIN.items():
+        ax2.annotate(f"seed +{gain:.0f}%", (length / 1000, gain), textcoords="offset points", xytext=(8, -4),
+                     fontsize=8)
     ax2.axhline(0, color="grey", lw=0.5)
-    ax2.set_ylabel(f"gain over redundant CP (%, {kind})")
+    ax2.set_ylabel(f"gain over redundant CP (%, {kind})", fontsize=9)
+    ax.set_ylabel(f"request tokens/s ({kind})", fontsize=9)
     for a in (ax, ax2):
-        a.set_xlabel("request length (k tokens, nominal)")
-        a.legend(fontsize=7)
-    ax.set_ylabel(f"request tokens/s ({kind})")
+        a.set_xlabel("request length (k tokens, nominal)", fontsize=9)
+        a.tick_params(labelsize=8)
+        a.grid(alpha=0.3)
+        # the legend sits under its axes, never on the data
+        a.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2, frameon=False)
     fig.suptitle(f"{cfg.model} CP{cfg.cp} on {cfg.hardware} ({kind}): {cfg.sessions} sessions, "
-                 f"{cfg.host_bytes_per_rank / 1e9:g} GB host/GPU, {100 * (1 - cfg.new_fraction):.0f}% reusable")
+                 f"{cfg.host_bytes_per_rank / 1e9:g} GB host/GPU, {100 * (1 - cfg.new_fraction):.0f}% reusable",
+                 fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=120, bbox_inches="tight")
     plt.close(fig)
 
 
