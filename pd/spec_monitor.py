@@ -7,6 +7,9 @@
 
 All comparisons are strict and exact: a metric of exactly 1.4 / 0.96, or exactly 128 generated tokens,
 does not fire. Every verdict carries its reason and the numbers behind it.
+
+:class:`SpecMonitor` judges any trace step by step (replay, evaluation); :class:`StepJudge` is the same rules
+compiled for one fixed draft-token count, what the SGLang per-step hook runs in the scheduler.
 """
 
 from __future__ import annotations

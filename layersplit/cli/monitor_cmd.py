@@ -1,6 +1,8 @@
 """``layersplit monitor``: the speculative-decoding anomaly monitor (pd/) from the command line.
 
-* ``monitor replay FILE.jsonl [--json]``: verdicts for recorded requests (SGLang meta_info or per-step traces);
+* ``monitor replay FILE.jsonl [--json] [--config Y]``: verdicts for recorded requests (SGLang meta_info, per-step
+  traces, or the per-step JSONL the SGLang hook exports with ``LAYERSPLIT_SGLANG_SPEC_TRACE``), under the
+  thresholds of ``--config``;
 * ``monitor eval [--json] [--requests N] [--seed S]``: SYNTHETIC precision / recall / FPR / tokens-to-detect of
   the monitor, a threshold sweep and a regex/charset text baseline.
 """
@@ -14,8 +16,9 @@ import json
 def add_parser(sub: argparse._SubParsersAction, int_at_least) -> None:
     p = sub.add_parser("monitor", help="spec-decoding anomaly monitor: replay recorded requests, evaluate")
     which = p.add_subparsers(dest="action", required=True)
-    r = which.add_parser("replay", help="judge recorded requests (JSONL: SGLang meta_info or per-step traces)")
-    r.add_argument("file", help="JSONL file, one request per line")
+    r = which.add_parser("replay", help="judge recorded requests (JSONL: SGLang meta_info, per-step traces, "
+                                        "or the SGLang hook's per-step export)")
+    r.add_argument("file", help="JSONL file, one request (or, for a per-step export, one verify step) per line")
     r.add_argument("--config", default=None, help="monitor YAML (default configs/monitor.yaml)")
     r.add_argument("--json", action="store_true", help="print one JSON object")
     r.set_defaults(func=run_replay)

@@ -1,5 +1,7 @@
-"""Monitor adapter: judge each finished request's speculative-decoding metrics as SGLang computes
-them, and turn an anomalous verdict into an abort the load balancer retries.
+"""Completion-time monitor adapter, the fallback for SGLang releases without the per-step method that
+:mod:`.spec_step` hooks (``compat.spec_step_target()`` is None): judge each finished request's
+speculative-decoding metrics as SGLang computes them, and turn an anomalous verdict into an abort the
+load balancer retries. By then the whole answer has been generated (and streamed).
 
 SGLang's ``TokenizerManager._calculate_spec_decoding_metrics(meta_info, recv_obj, i)`` fills
 ``meta_info`` with ``spec_accept_length`` (completion_tokens / spec_verify_ct) and

@@ -7,7 +7,9 @@ and calls ``Req.update_spec_correct_drafts_histogram`` — where the hook sits) 
 ``GenerationBatchResult`` holding host tensors, then, per unfinished request, ``output_ids.extend(tokens)`` and
 ``Req.update_finish_state(len(tokens))``. What it leaves out (metrics reporter, grammar, logprobs, streaming)
 does not touch the counters; the two collaborators ``_resolve_spec_v2_tokens`` calls on its processor are
-no-ops here (the metrics snapshot and the adaptive-draft controller).
+no-ops here (the metrics snapshot and the adaptive-draft controller). :func:`stream_chunk` runs SGLang's
+per-request output accumulator on a request, :func:`completion_time_meta` its tokenizer manager's
+completion-time metrics plus the fallback adapter.
 """
 
 from __future__ import annotations

@@ -397,3 +397,15 @@ def test_abort_reaches_the_client_as_retryable_503():
     with pytest.raises(fastapi.HTTPException) as err:
         asyncio.run(manager._handle_abort_finish_reason(stub, out, state, False))
     assert err.value.status_code == 503 and "garbled" in err.value.detail
+
+
+def test_unusable_draft_token_count_turns_the_monitor_off(caplog):
+    """A server whose speculative config has no usable draft-token count keeps serving; the monitor says
+    so once and judges nothing."""
+    monitor = spec_step.SpecStepMonitor(CFG, leader=True)
+    req = make_req("z", max_new_tokens=1000)
+    with spec_published(None), caplog.at_level(logging.ERROR, logger=spec_step.__name__):
+        for _ in range(200):
+            monitor.after_step(None, req, 0)
+    assert monitor.off and req.to_finish is None and monitor.counters.steps == 0
+    assert sum("speculative_num_draft_tokens" in r.message for r in caplog.records) == 1
