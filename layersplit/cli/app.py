@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 import threading
@@ -68,6 +69,9 @@ def main(argv: list[str] | None = None) -> int:
     except Terminated:
         print(f"layersplit {name}: terminated", file=sys.stderr)
         return 143
+    except BrokenPipeError:  # the reader went away (``| head``): nothing more to say
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
     finally:
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)

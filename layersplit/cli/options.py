@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
+import time
 from pathlib import Path
 
 
@@ -102,3 +104,14 @@ def as_flag(message: str) -> str:
         flag = _FLAG_OF.get(name, name)
         return "--" + flag.replace("_", "-") + message[len(name):]
     return message
+
+
+def stage_printer(command: str):
+    """A ``progress(stage)`` callback that writes ``layersplit <command>: <stage>...`` to stderr with the
+    seconds since the first stage (stdout stays clean for ``--json``)."""
+    start = time.perf_counter()
+
+    def say(stage: str) -> None:
+        print(f"layersplit {command}: {stage}... ({time.perf_counter() - start:.1f} s)", file=sys.stderr, flush=True)
+
+    return say

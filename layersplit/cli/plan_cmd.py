@@ -72,11 +72,16 @@ def _format_plan(r: dict) -> str:
         ("tokens per rank, redundant CP", f"{r['tokens_per_rank_redundant']:,}"),
         ("tokens per rank, LayerSplit", f"{r['tokens_per_rank_layersplit']:,}"),
         ("tokens per rank, upstream split", f"{r['tokens_per_rank_upstream_layersplit']:,} (one pool-sized scratch layer)"),
-        ("tokens per rank, SGLang plug-in", f"{r['tokens_per_rank_sglang_plugin']:,} (upstream's layout + "
-                                            f"{_gib(r['sglang_plugin_staging_bytes'])} batch-sized staging)"),
+        ("tokens per rank, SGLang plug-in", f"{r['tokens_per_rank_sglang_plugin']:,} (owned layers + "
+                                            f"{_gib(r['sglang_plugin_staging_bytes'])} batch-sized staging, "
+                                            f"batch landing; pool landing: "
+                                            f"{r['tokens_per_rank_sglang_plugin_pool_landing']:,})"),
         ("capacity ratio", f"{r['capacity_ratio']:.3f}x  (ideal {r['capacity_ratio_ideal']:.3f}x, "
                            f"upstream {r['capacity_ratio_upstream']:.3f}x, "
-                           f"SGLang plug-in {r['capacity_ratio_sglang_plugin']:.3f}x)"),
+                           f"SGLang plug-in {r['sglang_plugin_capacity_ratio']:.3f}x)"),
+        ("SGLang plug-in by KV dtype", "; ".join(
+            f"{d} {p['tokens_per_rank']:,} tokens = {p['ratio_vs_redundant_bf16']:.3f}x redundant bf16, "
+            f"{p['ratio_vs_redundant_fp8']:.3f}x redundant fp8" for d, p in r['sglang_plugin_by_kv_dtype'].items())),
         (f"broadcast per layer @ {r['context_len']:,} ctx", f"{r['broadcast_bytes_per_layer'] / 1e6:,.1f} MB rows "
                                                             f"(upstream pool-sized: {r['broadcast_bytes_per_layer_upstream'] / 1e9:,.2f} GB)"),
         ("broadcast time per layer (model)", f"{r['broadcast_seconds_per_layer_model'] * 1e3:.3f} ms at NVLink bandwidth"),

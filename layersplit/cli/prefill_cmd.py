@@ -73,7 +73,7 @@ def run_prefill(args: argparse.Namespace) -> int:
     try:
         result = prefill(model, cp=args.cp, mode=args.mode, context_len=args.context_len, hit=args.hit,
                          requests=args.requests, seed=args.seed, ownership=args.ownership, split=args.split,
-                         trace=bool(args.trace))
+                         trace=bool(args.trace), progress=options.stage_printer("prefill"))
     except ValueError as exc:  # the library names its argument; the user typed the flag
         raise ValueError(options.as_flag(str(exc))) from None
     report = result.as_dict()

@@ -7,6 +7,8 @@ import argparse
 import json
 from dataclasses import asdict
 
+from layersplit.cli import options
+
 UNSAFE = {"indexer": {"indexer"}, "kv": {"kv"}, "both": {"indexer", "kv"}, "fence": {"fence"}}
 
 
@@ -14,46 +16,53 @@ def add_parser(sub: argparse._SubParsersAction, int_at_least) -> None:
     p = sub.add_parser("stress", help="race stress tests")
     which = p.add_subparsers(dest="target", required=True)
     h = which.add_parser("hicache", help="layer-wise HiCache load vs the DSA forward (read-before-ready)")
-    h.add_argument("--loads", type=int_at_least(1), default=2000, help="layer loads to run (default 2000)")
-    h.add_argument("--seed", type=int, default=0)
+    h.add_argument("--iterations", type=int_at_least(1), default=2000, dest="loads", metavar="N",
+                   help="layer loads to run (default 2000; the long mode: 100000)")
+    h.add_argument("--loads", type=int_at_least(1), dest="loads", help=argparse.SUPPRESS)  # old name
+    h.add_argument("--seed", type=options.seed, default=0, help="seed of loads, stalls and data (default 0)")
     h.add_argument("--unsafe-skip-wait", choices=sorted(UNSAFE), default=None,
                    help="UNSAFE: drop the indexer wait, the KV wait, both, or the page-reuse fence, to show "
                         "that the harness detects the resulting corruption")
     h.add_argument("--model", default="tiny", help="model config for the cache dims (default tiny)")
-    h.add_argument("--runtime", choices=("auto", "emulated", "cuda"), default="auto")
+    h.add_argument("--runtime", choices=("auto", "emulated", "cuda"), default="auto",
+                   help="streams: CUDA where present (auto, default), the emulated runtime, or CUDA (fails without)")
     h.add_argument("--json", action="store_true", help="print the report as one JSON object")
     h.set_defaults(func=run_hicache)
     d = which.add_parser("pd", help="prefill/decode abort storms (discrete-event simulation): safe release vs "
                                      "the legacy immediate release, LayerSplit prefill ranks, lossy control plane")
-    d.add_argument("--requests", type=int_at_least(1), default=10000)
-    d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--requests", type=int_at_least(1), default=10000, help="requests to run (default 10000)")
+    d.add_argument("--seed", type=options.seed, default=0, help="seed of arrivals and faults (default 0)")
     d.add_argument("--prefill-cp", type=int_at_least(1), default=2,
                    help="prefill CP ranks; each writes only the layers it owns (LayerSplit contiguous plan)")
     d.add_argument("--layers", type=int_at_least(1), default=61, help="decoder layers to split (default 61)")
-    d.add_argument("--drop", type=float, default=0.05, help="probability a control message is lost")
-    d.add_argument("--duplicate", type=float, default=0.05, help="probability a control message is re-sent later")
-    d.add_argument("--max-delay-s", type=float, default=0.02, help="control message delay upper bound")
-    d.add_argument("--cancel", type=float, default=0.03, help="probability a client cancels (some twice)")
-    d.add_argument("--restart-mean-s", type=float, default=60.0,
+    d.add_argument("--drop", type=options.number_in(0, 1, high_open=True), default=0.05,
+                   help="probability a control message is lost, in [0, 1) (default 0.05)")
+    d.add_argument("--duplicate", type=options.number_in(0, 1, high_open=True), default=0.05,
+                   help="probability a control message is re-sent later, in [0, 1) (default 0.05)")
+    d.add_argument("--max-delay-s", type=options.number_in(0, 3600), default=0.02,
+                   help="control message delay upper bound in virtual seconds (default 0.02)")
+    d.add_argument("--cancel", type=options.number_in(0, 1), default=0.03,
+                   help="probability a client cancels (some twice), in [0, 1] (default 0.03)")
+    d.add_argument("--restart-mean-s", type=options.number_in(0, 1e9), default=60.0,
                    help="mean virtual seconds between crashes of each prefill rank (0: no restarts)")
     d.add_argument("--kill-rank", type=_pd_kill, action="append", default=[], metavar="RANK@SECONDS",
                    help="crash a prefill rank for good at this virtual time (a dead peer); repeatable")
     d.add_argument("--legacy-immediate-release", action="store_true",
                    help="UNSAFE: free an aborted request's pages at once (the old race)")
-    d.add_argument("--json", action="store_true")
+    d.add_argument("--json", action="store_true", help="print the report as one JSON object")
     d.set_defaults(func=run_pd)
     sh = which.add_parser("sglang-hicache", help="the plug-in's indexer-first HiCache load inside SGLang's own "
                                                   "load path (needs sglang installed)")
     sh.add_argument("--iterations", type=int_at_least(1), default=2000, help="batches of 4 layer loads (default 2000)")
-    sh.add_argument("--seed", type=int, default=0)
+    sh.add_argument("--seed", type=options.seed, default=0, help="seed of loads and stalls (default 0)")
     sh.add_argument("--upstream", action="store_true", help="SGLang's own counter and engine, for comparison")
-    sh.add_argument("--unsafe-skip-wait", action="store_true",
-                    help="UNSAFE: the indexer reads its keys without waiting (shows the detector firing)")
+    sh.add_argument("--unsafe-skip-wait", nargs="?", choices=("indexer",), const="indexer", default=None,
+                    help="UNSAFE: indexer: the indexer reads its keys without waiting (shows the detector firing)")
     sh.set_defaults(func=run_sglang_hicache)
     sp = which.add_parser("sglang-pool", help="the plug-in pool's staged broadcasts, two gloo rank processes "
                                               "(needs sglang installed)")
     sp.add_argument("--iterations", type=int_at_least(1), default=200, help="batches of 5 layers (default 200)")
-    sp.add_argument("--seed", type=int, default=0)
+    sp.add_argument("--seed", type=options.seed, default=0, help="seed of batches and stalls (default 0)")
     sp.add_argument("--unsafe-skip-wait", choices=("slot", "load"), default=None,
                     help="UNSAFE: use a staging slot without waiting for its broadcast (slot), or broadcast a "
                          "layer without waiting for its HiCache load (load); shows the detector firing")
@@ -123,7 +132,7 @@ def run_hicache(args: argparse.Namespace) -> int:
     if not cfg.unsafe_skip and report.detected:
         return 1  # the safe pipeline corrupted outputs (or missed a stream edge): a real bug
     if cfg.unsafe_skip and not report.detected:
-        print("warning: no corruption detected with a safeguard removed; run more --loads")
+        print("warning: no corruption detected with a safeguard removed; run more --iterations")
         return 3
     return 0
 
@@ -155,7 +164,7 @@ def run_sglang_hicache(args: argparse.Namespace) -> int:
     result = stress.run(args.iterations, seed=args.seed, upstream=args.upstream, sanitize=envs.sanitize(),
                         unsafe_skip=("index_wait",) if args.unsafe_skip_wait else ())
     print(json.dumps(asdict(result)))
-    return _verdict(args.unsafe_skip_wait, result.stale_index_reads + result.stale_kv_reads
+    return _verdict(bool(args.unsafe_skip_wait), result.stale_index_reads + result.stale_kv_reads
                     + (result.sanitizer_hazards or 0), "indexer-key")
 
 

@@ -115,10 +115,11 @@ def check_arguments(model: ModelConfig, *, cp: int, mode: str, ownership: str, s
 
 def prefill(model: str | ModelConfig = "tiny", *, cp: int = 2, mode: str = "layersplit", context_len: int = 8192,
             hit: float = 0.9, requests: int = 1, seed: int = 0, ownership: str = "contiguous",
-            split: str = "zigzag", trace: bool = False) -> PrefillReport:
+            split: str = "zigzag", trace: bool = False, progress=None) -> PrefillReport:
     """Prefill ``requests`` synthetic requests on ``cp`` rank processes and check the result against
     the single-process reference (``max_abs_deviation_vs_reference``). ``trace``: keep every rank's
-    trace events (``report.trace_events``, for :func:`layersplit.engine.trace.write_trace`)."""
+    trace events (``report.trace_events``, for :func:`layersplit.engine.trace.write_trace`).
+    ``progress(stage: str)``: told when each stage starts (the run takes seconds to minutes on a CPU)."""
     import torch
 
     from layersplit.engine.engine import EngineConfig
@@ -133,7 +134,10 @@ def prefill(model: str | ModelConfig = "tiny", *, cp: int = 2, mode: str = "laye
                        pool_pages=requests * -(-context_len // PAGE_SIZE), max_batch_tokens=requests * context_len,
                        max_requests=requests, trace=trace)
     scenario = Scenario("prefill", reqs, cfg)
+    say = progress or (lambda stage: None)
+    say(f"prefill on {cp} rank process(es) ({mode})")
     result = run_cp(cfg_model, [scenario], cp)[0]
+    say("single-process reference")
     reference = run_reference(cfg_model, scenario)
     new_tokens = sum(len(r.new_tokens) for r in reqs)
     report = PrefillReport(

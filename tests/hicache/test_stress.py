@@ -1,6 +1,6 @@
 """The read-before-ready stress harness proves itself: 0 corruptions with every wait in place, and
 corruption detected when a wait (or the page-reuse fence) is switched off. Short seeded mode; the
-long mode is ``layersplit stress hicache --loads 100000``."""
+long mode is ``layersplit stress hicache --iterations 100000``."""
 
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ def test_without_a_safeguard_corruption_is_detected(unsafe):
 
 
 def test_cli_json_and_exit_codes(capsys):
-    assert main(["stress", "hicache", "--loads", "40", "--json"]) == 0
+    assert main(["stress", "hicache", "--iterations", "40", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["layers_loaded"] == 40 and report["corrupted_outputs"] == 0
     assert report["unsafe_skip"] == [] and report["runtime"] in ("emulated", "cuda")

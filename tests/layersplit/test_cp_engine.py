@@ -164,7 +164,7 @@ def test_prefill_cli(tmp_path, capsys):
     import json
 
     trace = tmp_path / "trace.json"
-    assert main(["prefill", "--cp", "2", "--mode", "layersplit", "--context", "300", "--hit", "0.5",
+    assert main(["prefill", "--cp", "2", "--mode", "layersplit", "--context-len", "300", "--hit", "0.5",
                  "--requests", "2", "--trace", str(trace), "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["new_tokens"] == 300 and report["max_abs_deviation_vs_reference"] <= 1e-3
