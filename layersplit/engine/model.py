@@ -4,7 +4,8 @@ Per layer (DeepSeek-V3.2 / GLM-5 structure, fp32 weights and activations, bf16 K
 
 1. ``project``: RMSNorm -> q_a (low-rank q) -> q (nope ++ rope, RoPE on the rope part), the latent
    ``kv_c`` (normed) and rope key ``k_pe``; the absorbed query ``q_attn = [q_nope @ W_UK, q_pe]``;
-   the indexer query ``q_a @ W_iq``, key ``norm(h @ W_ik)`` and head weights ``h @ W_iw / sqrt(H_I)``;
+   the indexer query ``q_a @ W_iq`` and key ``norm(h @ W_ik)``, each with RoPE on its rope part and the
+   Hadamard rotation (``index_rope_rotate``), and head weights ``h @ W_iw`` (the indexer scales them);
 2. lightning indexer + top-k + sparse MLA (``dsa_kernels``, run by the engine against its caches);
 3. ``attention_out``: latent output @ W_UV -> o_proj, residual;
 4. ``mlp``: SwiGLU MLP, residual (dense on every layer: the tiny model has no experts).
@@ -19,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from dsa_kernels import hadamard_rotate
 from layersplit.plan.config import ModelConfig
 
 
@@ -35,6 +37,15 @@ def rope(x: torch.Tensor, positions: torch.Tensor, base: float = 10000.0) -> tor
     cos, sin = angle.cos().view(shape), angle.sin().view(shape)
     x1, x2 = x[..., :half], x[..., half:]
     return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
+
+
+def index_rope_rotate(x: torch.Tensor, positions: torch.Tensor, c: ModelConfig) -> torch.Tensor:
+    """The indexer's q / k before fp8 (DeepSeek-V3.2-Exp ``inference/model.py``, ``Indexer.forward``):
+    RoPE on the first ``qk_rope_head_dim`` values (rotate-half, i.e. non-interleaved, as DeepSeek's
+    indexer after its 2025-11 fix), the rest untouched, then the Hadamard rotation (``rotate_activation``).
+    Both are row-wise, so CP ranks and a single process compute the same bits for a token."""
+    pe, nope = x.split([c.qk_rope_head_dim, x.shape[-1] - c.qk_rope_head_dim], dim=-1)
+    return hadamard_rotate(torch.cat([rope(pe, positions), nope], dim=-1))
 
 
 @dataclass
@@ -94,9 +105,10 @@ class TinyDSA:
         k_pe = rope(kv[:, c.kv_lora_rank:], positions)
         q_lat = torch.einsum("thn,lhn->thl", q_nope, p["w_uk"])
         q_attn = torch.cat([q_lat, rope(q_pe, positions)], dim=-1)
-        q_index = (q_a @ p["i_q"]).view(t, c.index_n_heads, c.index_head_dim)
-        weights = (x @ p["i_w"]) / math.sqrt(c.index_n_heads)
-        return Projections(q_attn, kv_c, k_pe, q_index, weights, rms_norm(x @ p["i_k"]))
+        q_index = index_rope_rotate((q_a @ p["i_q"]).view(t, c.index_n_heads, c.index_head_dim), positions, c)
+        index_k = index_rope_rotate(rms_norm(x @ p["i_k"]), positions, c)
+        # the raw weights_proj output: the indexer folds H^-0.5, D^-0.5 and q's fp8 scale into it
+        return Projections(q_attn, kv_c, k_pe, q_index, x @ p["i_w"], index_k)
 
     def attention_out(self, layer: int, h: torch.Tensor, out_latent: torch.Tensor) -> torch.Tensor:
         v = torch.einsum("thl,lhv->thv", out_latent, self.layers[layer]["w_uv"])
