@@ -12,19 +12,21 @@ from __future__ import annotations
 import argparse
 import json
 
+from layersplit.cli import options
+
 
 def add_parser(sub: argparse._SubParsersAction, int_at_least) -> None:
     p = sub.add_parser("monitor", help="spec-decoding anomaly monitor: replay recorded requests, evaluate")
     which = p.add_subparsers(dest="action", required=True)
     r = which.add_parser("replay", help="judge recorded requests (JSONL: SGLang meta_info, per-step traces, "
                                         "or the SGLang hook's per-step export)")
-    r.add_argument("file", help="JSONL file, one request (or, for a per-step export, one verify step) per line")
+    r.add_argument("file", type=options.readable_file, help="JSONL file, one request (or, for a per-step export, one verify step) per line")
     r.add_argument("--config", default=None, help="monitor YAML (default configs/monitor.yaml)")
     r.add_argument("--json", action="store_true", help="print one JSON object")
     r.set_defaults(func=run_replay)
     e = which.add_parser("eval", help="SYNTHETIC evaluation on labelled traces from a tiny draft/target pair")
     e.add_argument("--requests", type=int_at_least(1), default=24, help="requests per regime (default 24)")
-    e.add_argument("--seed", type=int, default=0)
+    e.add_argument("--seed", type=options.seed, default=0, help="seed of the synthetic traces (default 0)")
     e.add_argument("--config", default=None, help="monitor YAML (default configs/monitor.yaml)")
     e.add_argument("--json", action="store_true", help="print one JSON object")
     e.set_defaults(func=run_eval)
@@ -35,7 +37,10 @@ def run_replay(args: argparse.Namespace) -> int:
     from pd.replay import format_results, load_records, replay, summarize
 
     cfg = load_monitor_config(args.config)
-    results = replay(load_records(args.file), cfg)
+    records = load_records(args.file)
+    if not records:
+        raise ValueError(f"file: expected at least one JSONL record in {str(args.file)!r}, got none")
+    results = replay(records, cfg)
     summary = summarize(results)
     if args.json:
         print(json.dumps({"file": str(args.file), "config": str(args.config or default_config_path()),
@@ -49,6 +54,8 @@ def run_eval(args: argparse.Namespace) -> int:
     from pd.monitor_config import load_monitor_config
     from pd.spec_eval import format_report, run_eval as evaluate
 
-    report = evaluate(load_monitor_config(args.config), requests_per_regime=args.requests, seed=args.seed)
+    cfg = load_monitor_config(args.config)
+    options.stage_printer("monitor eval")(f"{args.requests} synthetic requests per regime through a tiny draft/target pair")
+    report = evaluate(cfg, requests_per_regime=args.requests, seed=args.seed)
     print(json.dumps(report) if args.json else format_report(report))
     return 0

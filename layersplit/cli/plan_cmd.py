@@ -29,7 +29,8 @@ def add_parser(sub: argparse._SubParsersAction, _int_at_least) -> None:
     p.add_argument("--model", required=True, help="model config name (configs/models) or YAML path")
     p.add_argument("--cp", required=True, type=_int_at_least(1), help="CP group size N")
     p.add_argument("--hardware", required=True, help="hardware config name (configs/hardware) or YAML path")
-    p.add_argument("--kv-dtype", choices=("bf16", "fp8"), default=_DEFAULTS.kv_dtype)
+    p.add_argument("--kv-dtype", choices=("bf16", "fp8"), default=_DEFAULTS.kv_dtype,
+                   help="KV cache dtype: bf16 (default) or fp8 (656 B per token and layer for GLM-5)")
     p.add_argument("--max-batch-tokens", type=_int_at_least(1), default=_DEFAULTS.max_batch_tokens,
                    help="context tokens one prefill batch reads (sizes each LayerSplit scratch slot)")
     p.add_argument("--context-len", type=_int_at_least(1), default=_DEFAULTS.context_len,
@@ -45,7 +46,8 @@ def add_parser(sub: argparse._SubParsersAction, _int_at_least) -> None:
                         "rank, routed experts split over EP; even: all weights split evenly (optimistic)")
     p.add_argument("--max-requests", type=_int_at_least(1), default=_DEFAULTS.max_requests,
                    help="requests per prefill batch (each may end in a partial scratch page)")
-    p.add_argument("--ownership", choices=STRATEGIES, default=_DEFAULTS.ownership)
+    p.add_argument("--ownership", choices=STRATEGIES, default=_DEFAULTS.ownership,
+                   help="which rank owns which layers (default contiguous, as upstream SGLang)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=_run_plan)
 

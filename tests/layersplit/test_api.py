@@ -1,0 +1,72 @@
+"""The public API: the README's example runs as written, and bad arguments fail before any work."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import layersplit
+
+README = Path(__file__).resolve().parents[2] / "README.md"
+
+
+def _readme_example() -> str:
+    text = README.read_text()
+    section = text[text.index("## Python API"):]
+    return re.search(r"```python\n(.*?)```", section, re.S).group(1)
+
+
+@pytest.mark.timeout(300)
+def test_readme_example_runs(capsys):
+    code = _readme_example()
+    assert len([line for line in code.splitlines() if line.strip()]) <= 6  # import + the 5-line example
+    exec(compile(code, "README.md", "exec"), {})
+    out = capsys.readouterr().out.splitlines()
+    assert re.fullmatch(r"LayerSplit holds \d+\.\d{3}x the tokens of redundant CP", out[0])
+    m = re.fullmatch(r"([\d,]+) tokens/s, max deviation (\S+)", out[1])
+    assert m and float(m.group(2)) <= 1e-3
+
+
+def test_version_and_exports():
+    assert re.fullmatch(r"\d+\.\d+\.\d+.*|0\+unknown", layersplit.__version__)
+    for name in layersplit.__all__:
+        assert getattr(layersplit, name) is not None
+    with pytest.raises(AttributeError):
+        layersplit.no_such_thing  # noqa: B018
+    out = subprocess.run([sys.executable, "-m", "layersplit", "--version"], capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout.strip() == f"layersplit {layersplit.__version__}"
+
+
+def test_import_is_light():
+    """``import layersplit`` (and the CLI's help) does not pull in torch."""
+    code = "import sys, layersplit; assert 'torch' not in sys.modules, 'torch imported'"
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(cp=16), "cp: expected <= 8"),
+    (dict(cp=2, hit=1.0), "hit: expected a number in [0, 1)"),
+    (dict(cp=2, seed=2**70), "seed: expected an integer in [0, 2**63 - 1]"),
+    (dict(cp=2, mode="both"), "mode: expected one of"),
+    (dict(cp=2, context_len=1), "context_len: expected an integer >= 2"),
+])
+def test_prefill_rejects_bad_arguments_before_work(kwargs, message):
+    with pytest.raises(ValueError) as info:
+        layersplit.prefill("tiny", **kwargs)
+    assert message in str(info.value)
+
+
+def test_prefill_rejects_a_model_that_does_not_fit():
+    with pytest.raises(ValueError, match=r"the engine keeps fp32 weights .* GiB available"):
+        layersplit.prefill("glm-5", cp=2)
+
+
+def test_plan_capacity_options_checked():
+    plan = layersplit.plan_capacity("glm-5", "h200", cp=8)
+    assert plan["capacity_ratio"] > plan["capacity_ratio_upstream"] > 1
+    with pytest.raises(TypeError, match="unexpected option"):
+        layersplit.plan_capacity("glm-5", "h200", cp=8, kv_type="bf16")
