@@ -34,7 +34,8 @@ CASES = [
     (["stress", "hicache", "--seed", str(2**70)], "layersplit stress hicache: error: argument --seed"),
     (["stress", "pd", "--drop", "1.5"], "layersplit stress pd: error: argument --drop: expected a number in [0, 1)"),
     (["sweep", "--out", "/etc/hostname/sweep"], "argument --out: cannot write"),
-    (["monitor", "replay", "/dev/null"], "layersplit monitor replay: error: file: expected at least one JSONL record"),
+    (["monitor", "replay", str(CPU_SWEEP.parents[2] / "tests" / "pd" / "data" / "empty.jsonl")],
+     "layersplit monitor replay: error: file: expected at least one JSONL record"),
 ]
 
 
