@@ -17,6 +17,7 @@ On a CPU the streams are emulated worker threads (2 cores here: copies and compu
 from __future__ import annotations
 
 import argparse
+import sys
 import json
 import math
 import statistics
@@ -121,25 +122,49 @@ class Bench:
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    from layersplit.cli.options import int_at_least
+
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--layers", type=int, default=8)
-    p.add_argument("--pages", type=int, default=256, help="context pages (64 tokens each) loaded per layer")
-    p.add_argument("--queries", type=int, default=2, help="query tokens in the batch")
-    p.add_argument("--heads", type=int, default=8, help="attention heads (GLM-5: 64; fewer balances load and compute on a CPU)")
-    p.add_argument("--index-heads", type=int, default=32)
-    p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--runtime", choices=("auto", "emulated", "cuda"), default="auto")
-    p.add_argument("--threads", type=int, default=1,
+    p.add_argument("--layers", type=int_at_least(1, 1024), default=8, help="layers loaded and computed (default 8)")
+    p.add_argument("--pages", type=int_at_least(1, 1 << 20), default=256,
+                   help="context pages (64 tokens each) loaded per layer (default 256)")
+    p.add_argument("--queries", type=int_at_least(1, 1 << 16), default=2, help="query tokens in the batch (default 2)")
+    p.add_argument("--heads", type=int_at_least(1, 256), default=8,
+                   help="attention heads (GLM-5: 64; fewer balances load and compute on a CPU; default 8)")
+    p.add_argument("--index-heads", type=int_at_least(1, 256), default=32, help="indexer heads (default 32)")
+    p.add_argument("--repeats", type=int_at_least(1, 1000), default=5, help="runs of each variant; the median is kept (default 5)")
+    p.add_argument("--runtime", choices=("auto", "emulated", "cuda"), default="auto",
+                   help="streams: CUDA where present (auto, default) or the emulated runtime")
+    p.add_argument("--threads", type=int_at_least(0, 1024), default=1,
                    help="torch intra-op threads (default 1: each emulated stream gets its own core; 0 = torch's default)")
-    p.add_argument("--json", action="store_true")
-    return p.parse_args(argv)
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    args = p.parse_args(argv)
+    host_bytes = args.layers * args.pages * 64 * 1200  # ~ bf16 MLA row + indexer key per token and layer
+    if host_bytes > 64 * 2**30:
+        p.error(f"--layers x --pages: the host tier would hold about {host_bytes / 2**30:,.0f} GiB; expected <= 64 GiB")
+    return args
+
+
+def verdict(result: dict) -> str:
+    """What the two ratios mean, in one sentence (1.0 = perfect overlap)."""
+    pipelined, serial = result["pipelined_over_max"], result["serial_over_max"]
+    if pipelined >= serial:
+        return ("pipelined is not faster than serial here: load and compute compete for the same resource "
+                + ("(emulated streams are host threads sharing this machine's cores and memory bandwidth; on a GPU "
+                   "the copy engine runs beside the SMs)" if result["runtime"] == "emulated"
+                   else "(the copies and the kernels contend; check pinned host memory and the copy engine)"))
+    hidden = (serial - pipelined) / max(serial - 1.0, 1e-9)
+    return f"pipelining hides {min(hidden, 1.0):.0%} of the smaller of load and compute"
 
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    if not args.json:
+        print(f"measuring {args.repeats} runs each of load, compute, serial and pipelined...", file=sys.stderr, flush=True)
     result = Bench(args).run()
+    result["verdict"] = verdict(result)
     if args.json:
         print(json.dumps(result))
     else:
@@ -150,6 +175,7 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"  compute alone   {result['compute_s'] * 1e3:8.2f} ms  ({result['compute_GFLOPps']:.1f} GFLOP/s)")
         print(f"  serial          {result['serial_s'] * 1e3:8.2f} ms  = {result['serial_over_max']:.3f} x max(load, compute)")
         print(f"  pipelined       {result['pipelined_s'] * 1e3:8.2f} ms  = {result['pipelined_over_max']:.3f} x max(load, compute)")
+        print(f"  {result['verdict']}")
     return result
 
 
