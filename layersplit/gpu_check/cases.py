@@ -245,3 +245,93 @@ def paged_copy_cases(s: Shapes, dev: torch.device, gen: torch.Generator) -> list
 
 
 CASE_BUILDERS = (index_key_cases, mla_kv_cases, indexer_cases, sparse_mla_cases, paged_copy_cases)
+
+
+# vendor tier (GPU only): FlashMLA's lse base per sgl_kernel version, FlashInfer top-k vs the reference --
+
+def _sets_equal_up_to_ties(got: torch.Tensor, want: torch.Tensor, scores: torch.Tensor) -> tuple[bool, int]:
+    """Same -1 counts, and every position in one set only ties the row's k-th reference score.
+    Returns ``(ok, rows whose sets differ by ties)``."""
+    if not torch.equal((got >= 0).sum(1), (want >= 0).sum(1)):
+        return False, 0
+    tie_rows = 0
+    for r in range(got.shape[0]):
+        a, b = set(got[r][got[r] >= 0].tolist()), set(want[r][want[r] >= 0].tolist())
+        if a != b:
+            kth = scores[r, list(b)].min()
+            if not all(scores[r, s] == kth for s in a ^ b):
+                return False, tie_rows
+            tie_rows += 1
+    return True, tie_rows
+
+
+def flash_mla_checks(dev: torch.device) -> dict:
+    """The lse base measured for the installed ``sgl_kernel`` (``vendor.flash_mla_lse_base``), then the
+    gating matrix on this device: which shapes reach FlashMLA, each result against the reference."""
+    from dsa_kernels import vendor
+    from dsa_kernels.reference.sparse_mla import sparse_mla_prefill as reference
+
+    found = vendor._flash_mla()
+    if found is None:
+        return {"skipped": "sgl_kernel flash_mla_sparse_fwd not importable"}
+    base = vendor.flash_mla_lse_base(found[1], dev)
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    for h, k, q_dtype in ((64, 2048, torch.bfloat16), (16, 2048, torch.bfloat16), (128, 100, torch.bfloat16),
+                          (64, 2048, torch.float32)):
+        q = torch.randn(8, h, 576, generator=gen).to(q_dtype).to(dev)
+        kv = torch.randn(4096, 576, generator=gen).to(torch.bfloat16).to(dev)
+        idx = torch.randint(0, 4096, (8, k), generator=gen, dtype=torch.int32).to(dev)
+        idx[1] = -1
+        reason = vendor.flash_mla_unsupported(q, kv, idx, 512)
+        out, lse = vendor.sparse_mla_prefill(q, kv, idx, 576**-0.5, 512)
+        check = check_sparse_mla(1e-2)((out, lse), reference(q, kv, idx, 576**-0.5, 512))
+        rows.append({"heads": h, "topk": k, "q_dtype": str(q_dtype), "path": "fallback" if reason else "vendor",
+                     "reason": reason, **check})
+    passed = base is not None and all(r["passed"] for r in rows)
+    return {"sgl_kernel": found[1], "lse_base": {2.0: "2", math.e: "e", None: "not established"}[base],
+            "gating": rows, "passed": passed}
+
+
+def flashinfer_topk_checks(dev: torch.device) -> dict:
+    """``flashinfer.top_k`` / ``top_k_page_table_transform`` (through ``dsa_kernels.vendor``) against the
+    torch reference on GLM-5-sized rows with many exact ties: index sets equal up to ties."""
+    from dsa_kernels import vendor
+    from dsa_kernels.reference import indexer as ref
+
+    if vendor._flashinfer("top_k") is None:
+        return {"skipped": "flashinfer.top_k not importable"}
+    gen = torch.Generator().manual_seed(1)
+    scores = (torch.randn(64, 32768, generator=gen) * 8).round().to(dev)  # integer scores: ties everywhere
+    pos = torch.randint(1000, 32768, (64,), generator=gen).to(dev)
+    scores = scores.masked_fill(torch.arange(32768, device=dev)[None] > pos[:, None], float("-inf"))
+    out = {}
+    ok, ties = _sets_equal_up_to_ties(vendor.topk_indices(scores, 2048), ref.topk_indices(scores, 2048), scores)
+    out["top_k"] = {"passed": ok, "rows_differing_by_ties": ties}
+    best, idx = scores[:, :0], torch.empty(64, 0, dtype=torch.int32, device=dev)
+    for s0 in range(0, 32768, 8192):
+        best, idx = vendor.topk_merge(best, idx, scores[:, s0:s0 + 8192], s0, 2048)
+    ok, ties = _sets_equal_up_to_ties(torch.where(torch.isfinite(best), idx, -1), ref.topk_indices(scores, 2048),
+                                      scores)
+    out["chunked_merge"] = {"passed": ok, "rows_differing_by_ties": ties}
+    if vendor._flashinfer("top_k_page_table_transform") is not None:
+        table = torch.arange(512, dtype=torch.int32, device=dev).flip(0)[None].expand(2, 512).contiguous()
+        req = torch.arange(64, device=dev) % 2
+        got = vendor.topk_slots(scores, table, req, pos, 2048)
+        want = ref.topk_slots(scores, table, req, pos, 2048)
+
+        def to_positions(slots):  # the table maps page p to page 511 - p
+            return torch.where(slots >= 0, (511 - slots // 64) * 64 + slots % 64, -1)
+        ok, ties = _sets_equal_up_to_ties(to_positions(got), to_positions(want), scores)
+        out["page_table_transform"] = {"passed": ok, "rows_differing_by_ties": ties}
+    out["passed"] = all(v["passed"] for v in out.values() if isinstance(v, dict))
+    return out
+
+
+def vendor_checks(dev: torch.device) -> dict:
+    """Both vendor checks; a missing vendor module is reported as skipped, not failed."""
+    mla, topk = flash_mla_checks(dev), flashinfer_topk_checks(dev)
+    passed = all(part.get("passed", True) for part in (mla, topk))
+    parts = [f"FlashMLA: {mla.get('skipped') or 'sgl_kernel ' + mla['sgl_kernel'] + ' lse base ' + mla['lse_base']}",
+             f"FlashInfer top-k: {topk.get('skipped') or ('sets equal up to ties' if topk['passed'] else 'DIFFERS')}"]
+    return {"flash_mla": mla, "flashinfer_topk": topk, "passed": passed, "summary": "; ".join(parts)}

@@ -6,6 +6,8 @@ Sections (each a function returning a dict; one that raises is recorded as faile
 2. ``kernels``         every ``dsa_kernels`` op through each backend (vendor where importable, Triton,
                        torch reference = the oracle) on GLM-5-sized shapes, checked with the kernel
                        tests' tolerances, then timed (median of >= 10 after warm-up, CUDA events);
+2b. ``vendor``         GPU only: FlashMLA's lse base measured for the installed ``sgl_kernel`` and its
+                       gating matrix; FlashInfer top-k vs the torch reference (sets equal up to ties);
 3. ``hicache_stress``  read-before-ready stress on the streams: 0 corruptions with every wait,
                        corruption detected with a wait skipped (``--unsafe-skip-wait``);
 4. ``hicache_overlap`` layer-wise load pipelined under the forward vs serial (pinned host memory);
@@ -43,7 +45,7 @@ from typing import Callable
 
 import torch
 
-from layersplit.gpu_check.cases import CASE_BUILDERS, OpCase, Shapes, _ref
+from layersplit.gpu_check.cases import CASE_BUILDERS, OpCase, Shapes, _ref, vendor_checks
 
 BUDGET_S = 450  # default budget: leaves margin inside an 8-minute device slot
 WATCHDOG_GRACE_S = 25  # cuda mode: hard exit this long after the budget, whatever is running
@@ -59,8 +61,8 @@ CUDA_SHAPES = Shapes(
     overlap_argv=("--runtime", "cuda", "--layers", "8", "--pages", "512", "--queries", "64", "--heads", "64",
                   "--repeats", "5"),
     cp_context=4096,
-    estimates_s=(("environment", 0), ("kernels", 150), ("hicache_stress", 60), ("hicache_overlap", 45),
-                 ("cp_engine", 40), ("stream_sanitizer", 90)),
+    estimates_s=(("environment", 0), ("kernels", 150), ("vendor", 20), ("hicache_stress", 60),
+                 ("hicache_overlap", 45), ("cp_engine", 40), ("stream_sanitizer", 90)),
 )
 DRY_SHAPES = Shapes(
     index_tokens=5, index_heads=4, index_dim=64, context=130, attn_tokens=4, attn_heads=4, kv_lora_rank=128,
@@ -69,8 +71,8 @@ DRY_SHAPES = Shapes(
     overlap_argv=("--runtime", "emulated", "--pages", "16", "--queries", "1", "--heads", "4", "--repeats", "1",
                   "--layers", "4"),
     cp_context=256,
-    estimates_s=(("environment", 0), ("kernels", 30), ("hicache_stress", 10), ("hicache_overlap", 5),
-                 ("cp_engine", 20), ("stream_sanitizer", 30)),
+    estimates_s=(("environment", 0), ("kernels", 30), ("vendor", 2), ("hicache_stress", 10),
+                 ("hicache_overlap", 5), ("cp_engine", 20), ("stream_sanitizer", 30)),
 )
 
 
@@ -267,6 +269,19 @@ def section_kernels(ctx: Context) -> dict:
             "summary": f"{n_ok}/{len(rows)} op x backend runs correct ({', '.join(sorted(by_backend))})"}
 
 
+def section_vendor(ctx: Context) -> dict:
+    """GPU only: FlashMLA's lse base measured for the installed ``sgl_kernel`` and its gating matrix;
+    FlashInfer top-k (plain, chunked merge, fused page-table transform) vs the torch reference, sets
+    equal up to ties (``cases.vendor_checks``). Without CUDA there is nothing to run: reported as such."""
+    if not ctx.on_cuda:
+        return {"ran": False, "summary": "GPU-only (FlashMLA lse base, FlashInfer top-k): not run without CUDA"}
+    result = vendor_checks(ctx.device)
+    for name in ("flash_mla", "flashinfer_topk"):
+        if "skipped" in result[name]:
+            ctx.skip(f"vendor: {name}", result[name]["skipped"])
+    return result
+
+
 # 3./4. HiCache stress and overlap -------------------------------------------------------------------
 
 def _stress_summary(r) -> dict:
@@ -374,6 +389,7 @@ def section_stream_sanitizer(ctx: Context) -> dict:
 SECTIONS: tuple[tuple[str, Callable[[Context], dict]], ...] = (
     ("environment", section_environment),
     ("kernels", section_kernels),
+    ("vendor", section_vendor),
     ("hicache_stress", section_stress),
     ("hicache_overlap", section_overlap),
     ("cp_engine", section_cp_engine),

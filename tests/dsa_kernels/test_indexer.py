@@ -14,9 +14,13 @@ from dsa_kernels import layout, positions_to_slots
 from dsa_kernels.reference import deepseek
 from dsa_kernels.reference.index_keys import read_index_keys
 from dsa_kernels.reference.indexer import topk_indices, topk_merge, topk_slots
+from tests.conftest import DEVICE
 from tests.dsa_kernels.helpers import assert_same_inf, op
 
 SUM_ORDER_RTOL = 1e-5  # fp32 summation-order differences, relative to the largest score
+# a top-k position may differ from DeepSeek's only at an exact tie on CPU (fp8 products are exact and
+# the sums come out bit-equal here); CUDA's bf16 tensor-core dots sum in another order
+TIE_RTOL = 0.0 if DEVICE.type == "cpu" else SUM_ORDER_RTOL
 
 
 @dataclass
@@ -134,8 +138,7 @@ def test_scores_match_deepseek(backend, device, name):
 @pytest.mark.parametrize("name", list(CASES))
 def test_topk_sets_equal_deepseek_except_ties(backend, device, monkeypatch, name):
     """Chunked ``indexer_topk`` (small chunks and query blocks: several merges per row) selects
-    DeepSeek's sets; a position may differ only where its score ties the row's k-th score (up to
-    the fp32 summation order)."""
+    DeepSeek's sets; a position may differ only where its score ties the row's k-th score."""
     monkeypatch.setenv("LAYERSPLIT_KERNEL_BACKEND", backend)
     case = CASES[name]
     args, max_ctx, raw_keys = build(case, seed=len(name))
@@ -145,7 +148,7 @@ def test_topk_sets_equal_deepseek_except_ties(backend, device, monkeypatch, name
     assert torch.equal((got >= 0).sum(1), (args[5] + 1).clamp(max=case.topk)), "k >= context must pad with -1"
     diffs = set_differences(got, case, args, raw_keys, want_scores)
     scale = float(want_scores[torch.isfinite(want_scores)].abs().max())
-    assert all(d <= SUM_ORDER_RTOL * scale for d in diffs), f"non-tie differences: {sorted(diffs)[-3:]}"
+    assert all(d <= TIE_RTOL * scale for d in diffs), f"non-tie differences: {sorted(diffs)[-3:]}"
 
 
 @pytest.mark.parametrize("chunk,query_block", [(5, 2), (64, 64), (1000, 1000)])
@@ -204,3 +207,32 @@ def test_bad_input_errors(device):
         fn(args[0][..., :64].contiguous(), *args[1:], max_ctx)
     with pytest.raises(ValueError, match="chunk, query_block: expected >= 1"):
         dsa_kernels.indexer_topk(*args, max_ctx, 8, chunk=0)
+
+
+def agreement_table() -> None:
+    """``python -m tests.dsa_kernels.test_indexer``: per backend and case, query rows whose top-k set is
+    identical to DeepSeek's, rows that differ only at exact ties, rows that differ otherwise."""
+    import os
+
+    for backend in ("torch", "triton"):
+        os.environ["LAYERSPLIT_KERNEL_BACKEND"] = backend
+        for name, case in CASES.items():
+            args, max_ctx, raw_keys = build(case, seed=len(name))
+            scores = deepseek_scores(case, args, max_ctx, raw_keys)
+            got = dsa_kernels.indexer_topk(*args, max_ctx, case.topk, chunk=48, query_block=5)
+            same = ties = other = 0
+            for b, (prefix, n) in enumerate(case.reqs):
+                rows = (args[4] == b).nonzero().squeeze(1)
+                for r, want in zip(rows.tolist(), deepseek.indexer_topk(args[0][rows], args[1][rows], raw_keys[b],
+                                                                        prefix, case.topk)):
+                    mine = set(got[r][got[r] >= 0].tolist())
+                    kth = scores[r, list(want)].min() if want else 0.0
+                    exact_tie = all(scores[r, s] == kth for s in mine ^ want)
+                    same, ties, other = same + (mine == want), ties + (mine != want and exact_tie), \
+                        other + (not exact_tie)
+            print(f"{backend:<6} {name:<24} rows {len(args[5]):>3}  identical {same:>3}  "
+                  f"differ-only-at-exact-ties {ties:>2}  other {other}")
+
+
+if __name__ == "__main__":
+    agreement_table()
