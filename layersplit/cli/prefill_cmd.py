@@ -7,9 +7,7 @@ import argparse
 import json
 
 from layersplit.cli import options
-from layersplit.engine.batch_plan import SPLITS
-from layersplit.engine.cp_pool import MODES
-from layersplit.engine.ownership import STRATEGIES
+from layersplit.engine.choices import MODES, SPLITS, STRATEGIES
 
 
 def add_parser(sub: argparse._SubParsersAction, int_at_least) -> None:

@@ -17,7 +17,7 @@ import torch
 
 from dsa_kernels.layout import PAGE_SIZE
 
-SPLITS = ("interleave", "zigzag")
+from layersplit.engine.choices import SPLITS  # re-exported
 
 
 @dataclass(frozen=True)

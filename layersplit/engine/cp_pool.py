@@ -16,7 +16,7 @@ from hicache.paged_buffers import DSACacheSpec, PagedDSABuffers
 from layersplit.engine.batch_plan import BatchPlan
 from layersplit.engine.ownership import OwnershipPlan
 
-MODES = ("redundant", "layersplit")
+from layersplit.engine.choices import MODES  # re-exported
 
 
 @dataclass

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-STRATEGIES = ("contiguous", "round-robin")
+from layersplit.engine.choices import STRATEGIES  # re-exported
 
 
 @dataclass(frozen=True)
