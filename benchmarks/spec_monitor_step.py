@@ -8,9 +8,10 @@ earlier it stops a faulty request than the completion-time adapter.
 2. Overhead (measured here, CPU, Python): ``--requests`` real ``Req`` objects (default 10,000) x ``--steps``
    verify steps each call ``Req.update_spec_correct_drafts_histogram`` as the scheduler does once per request
    per step; the time per call with the hook registered through the plug-in minus the time without it is the
-   hook's cost per request-step (median of ``--repeats`` after one warm-up). Healthy traffic (no abort), then
-   the same with the per-step JSONL export on, then a mix with 5% garbled and 5% looping requests (their calls
-   stop at the abort; per-call times include the loop's skipped iterations, so the mix overstates the cost).
+   hook's cost per request-step (process CPU time, median of ``--repeats`` after one warm-up). Healthy
+   traffic (no abort), then the same with the per-step JSONL export on, then a mix with 5% garbled and 5%
+   looping requests (their calls stop at the abort; per-call times include the loop's skipped iterations, so
+   the mix overstates the cost).
    For scale, the same healthy workload through SGLang's own step settlement (``VerifyDriver``: real
    ``_resolve_spec_v2_tokens`` + ``update_finish_state`` in batches of 256), without and with the hook.
    The per-abort warning is silenced while timing.
@@ -80,11 +81,12 @@ def detection(cfg, seed: int) -> list[dict]:
             meta = completion_time_meta(full, MetaInfoMonitor(cfg))
             live = reason["layersplit_spec_verdict"]
             rows.append({"rid": trace.rid, "label": regime, "onset_token": trace.onset_generated,
-                         "hook_step": steps, "hook_tokens": live["numbers"]["generated"], "hook_verdict": live["verdict"],
+                         "hook_step": steps, "hook_tokens": live["numbers"]["generated"],
+                         "hook_verdict": live["verdict"],
                          "hook_reason": live["reason"], "completion_step": full_steps,
                          "completion_tokens": meta["completion_tokens"],
                          "completion_verdict": meta["layersplit_spec_verdict"]["verdict"],
-                         "completion_finish": meta.get("finish_reason", {}).get("type", full.finished_reason.to_json()["type"])})
+                         "completion_finish": meta.get("finish_reason", full.finished_reason.to_json())["type"]})
             break
     return rows
 
@@ -102,12 +104,12 @@ def one_pass(rows: list[list[int]]) -> tuple[float, int, int]:
     """Seconds, method calls and aborted requests for every request through every step (an aborted
     request is not called again, as SGLang drops finished requests from the batch)."""
     reqs = [make_req(f"r{i}", 1_000_000) for i in range(len(rows[0]))]
-    start = time.perf_counter()
+    start = time.process_time()  # CPU time of this process: less sensitive to other load on a shared host
     for row in rows:
         for req, accepted in zip(reqs, row):
             if req.to_finish is None:
                 req.update_spec_correct_drafts_histogram(accepted)
-    elapsed = time.perf_counter() - start
+    elapsed = time.process_time() - start
     calls = sum(sum(r.spec_correct_drafts_histogram) for r in reqs)  # SGLang's method counts its own calls
     return elapsed, calls, sum(r.to_finish is not None for r in reqs)
 
@@ -118,11 +120,11 @@ def driver_pass(rows: list[list[int]], batch: int = 256) -> tuple[float, int, in
     request-step costs the scheduler's result processing before streaming and metrics."""
     reqs = [make_req(f"r{i}", 1_000_000) for i in range(len(rows[0]))]
     driver = VerifyDriver(DRAFT)
-    start = time.perf_counter()
+    start = time.process_time()  # CPU time of this process: less sensitive to other load on a shared host
     for row in rows:
         for lo in range(0, len(reqs), batch):
             driver.step(reqs[lo:lo + batch], row[lo:lo + batch])
-    elapsed = time.perf_counter() - start
+    elapsed = time.process_time() - start
     return elapsed, sum(r.spec_verify_ct for r in reqs), sum(r.to_finish is not None or r.finished() for r in reqs)
 
 
@@ -188,7 +190,8 @@ def format_report(report: dict) -> str:
     lines += [f"  hook reason ({r['rid']}): {r['hook_reason']}" for r in report["detection_synthetic"]]
     lines += ["(hook tok: tokens from verify steps at the abort; compl. tok: SGLang completion_tokens, prefill's "
               "first token included)", "",
-              f"Overhead, measured on this machine: {report['requests']} real Req x {report['steps']} verify steps "
+              f"Overhead, measured (process CPU time) on this machine: {report['requests']} real Req x "
+              f"{report['steps']} verify steps "
               f"(mix: >= 160 steps), draft_tokens {report['draft_tokens']}, median of {report['repeats']}",
               f"{'run':<24}{'request-steps':>14}{'aborted':>9}{'us/call':>10}{'overhead us/request-step':>26}"]
     for name, r in report["overhead_measured"].items():
