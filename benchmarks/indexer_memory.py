@@ -125,10 +125,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--heads", type=int, default=32)
     p.add_argument("--dim", type=int, default=128)
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--threads", type=int, default=2, help="CPU threads per run")
+    p.add_argument("--threads", type=int, default=1,
+                   help="CPU threads per run (1: on a shared machine every op otherwise pays a thread-pool wake-up)")
     args = p.parse_args(argv)
-    shape = "REAL GLM-5 shape" if (args.tokens, args.context) == (REAL["tokens"], REAL["context"]) else \
-        f"SCALED shape (real 16384 x 131072 / {scale})" if scale > 1 else "custom shape"
+    sizes = {key: getattr(args, key) for key in REAL}
+    shape = "REAL GLM-5 shape" if sizes == REAL else \
+        f"SCALED shape (every size of the real one / {scale})" if sizes == {k: v // scale for k, v in REAL.items()} \
+        else "custom shape"
     how = "CUDA max_memory_allocated above inputs, CUDA events" if cuda else \
         "CPU, forked child: resident-set high-water mark growth, perf_counter"
     print(f"indexer per layer, {shape}: T={args.tokens} ctx={args.context} H={args.heads} D={args.dim} "

@@ -71,7 +71,6 @@ def indexer_topk(q, weights, index_cache, page_table, req_idx, positions, max_co
     dev = index_cache.device
     scores_fn = resolve("indexer_scores", dev)[1]
     merge_fn = resolve("topk_merge", dev)[1]
-    q_fp8, w = quantize_index_q(q, weights)  # once: every chunk reuses the quantized heads
     t_count = q.shape[0]
     out = torch.full((t_count, topk), -1, dtype=torch.int32, device=dev)
     if t_count == 0 or topk == 0:
@@ -80,10 +79,11 @@ def indexer_topk(q, weights, index_cache, page_table, req_idx, positions, max_co
     extents = torch.stack([p.max() for p in block_ends]).add(1).clamp(max=max_context).tolist()
     for i, extent in enumerate(extents):
         rows = slice(i * query_block, (i + 1) * query_block)
+        q_fp8, w = quantize_index_q(q[rows], weights[rows])  # once per block: every chunk reuses it
         best = torch.empty(len(block_ends[i]), 0, dtype=torch.float32, device=dev)
         best_idx = torch.empty(len(block_ends[i]), 0, dtype=torch.int32, device=dev)
         for s0 in range(0, extent, chunk):
-            scores = scores_fn(q_fp8[rows], w[rows], index_cache, page_table, req_idx[rows], positions[rows],
+            scores = scores_fn(q_fp8, w, index_cache, page_table, req_idx[rows], positions[rows],
                                min(s0 + chunk, extent), s0)
             best, best_idx = merge_fn(best, best_idx, scores, s0, topk)
         out[rows, : best_idx.shape[1]] = torch.where(torch.isfinite(best), best_idx, -1)

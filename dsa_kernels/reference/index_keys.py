@@ -24,9 +24,9 @@ def quantize_e4m3(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     ``e4m3 = saturate(x / scale)``: the division by a power of two is exact, the clamp matters only
     where ``fp32(1/448)`` rounded the scale a hair low.
     """
-    xf = x.float()
-    scale = ue8m0_scale(xf.abs().amax(dim=-1))
-    return (xf / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
+    y = x.to(torch.float32, copy=True)  # one fp32 temporary, divided and clamped in place
+    scale = ue8m0_scale(y.abs().amax(dim=-1))
+    return y.div_(scale[..., None]).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
 
 
 def _byte_positions(slots: torch.Tensor, d: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

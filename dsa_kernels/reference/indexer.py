@@ -73,10 +73,11 @@ def indexer_scores(
             continue
         slots = page_table[b, s[:n_ctx] // PAGE_SIZE].long() * PAGE_SIZE + s[:n_ctx] % PAGE_SIZE
         k_fp8, k_scale = read_index_keys(index_cache, slots)  # [n_ctx, D], [n_ctx]
-        k = k_fp8.float()
+        k_t = k_fp8.float().T.contiguous()  # [D, n_ctx]: contiguous operands keep CPU matmuls on the fast path
+        q_h = q_fp8[rows].float().transpose(0, 1).contiguous()  # [H, t, D]
         acc = torch.zeros(len(rows), n_ctx, dtype=torch.float32, device=q.device)
         for h in range(heads):  # one head at a time: no [t, H, n_ctx] intermediate
-            acc += w[rows, h, None] * torch.relu(q_fp8[rows, h].float() @ k.T)
+            acc += w[rows, h, None] * torch.relu(q_h[h] @ k_t)
         causal = s[None, :n_ctx] <= positions[rows, None]
         out[rows, :n_ctx] = torch.where(causal, acc * k_scale[None], float("-inf"))
     return out
