@@ -8,7 +8,9 @@ the reason once. Nothing here can be called with arguments the vendor kernel wou
   Accepts: CUDA sm90 / sm100; bf16 ``q [T, h_q, d_qk]`` with ``d_qk`` 576 (or 512, no rope);
   ``d_v = kv_lora_rank = 512``; a bf16 cache (the fp8 656-byte layout falls back); heads padded
   with zeros to the kernel's multiple (64 on sm90, 128 on sm100) and ``K`` padded with -1 to a
-  multiple of 64. Its lse is converted to our convention (``reference.sparse_mla``: natural log,
+  multiple of 128. Semantics as FlashMLA's ``flash_mla/flash_mla_interface.py``
+  (``flash_mla_sparse_fwd``: an index of -1 or ``>= s_kv`` is invalid) and its README's definition of
+  ``out`` / ``max_logits`` / ``lse``. Its lse is converted to our convention (``reference.sparse_mla``: natural log,
   ``-inf`` for a row with no valid index; FlashMLA gives ``+inf`` there). The base of FlashMLA's
   lse changed (base 2 in the legacy kernel, natural log in its 2026 release), so it is measured
   once per installed ``sgl_kernel`` version by ``flash_mla_lse_base`` (also a GPU check case),
@@ -35,7 +37,7 @@ _LOGGED: set[tuple[str, str]] = set()
 FLASH_MLA_HEAD_MULTIPLE = {9: 64, 10: 128}  # sm major -> h_q multiple of FlashMLA's sparse prefill
 FLASH_MLA_D_QK = (512, 576)
 FLASH_MLA_D_V = 512
-FLASH_MLA_TOPK_MULTIPLE = 64
+FLASH_MLA_TOPK_MULTIPLE = 128  # FlashMLA's own tests use multiples of 128; -1 padding is free
 TOPK_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 

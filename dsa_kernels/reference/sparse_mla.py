@@ -16,7 +16,8 @@ def sparse_mla_prefill(
 
     q ``[T, H, L + R]`` (absorbed latent query ++ rope query); kv_cache ``[S, L + R]`` bf16
     (values are the first ``L`` columns of the same rows); indices ``[T, K]`` int32 cache slots;
-    an index outside ``[0, S)`` (the -1 padding, or past the cache) is skipped, as FlashMLA masks it.
+    an index outside ``[0, S)`` (the -1 padding, or past the cache) is skipped, as FlashMLA masks it
+    (``flash_mla/flash_mla_interface.py``, ``flash_mla_sparse_fwd``: "-1 or >= s_kv" is invalid).
     ``p = softmax(sm_scale * q . kv)`` over valid rows;
     returns ``out [T, H, L]`` fp32 = ``p @ kv[:, :L]`` and ``lse [T, H]`` fp32.
 

@@ -18,11 +18,11 @@ from dsa_kernels.reference.sparse_mla import sparse_mla_prefill as reference_mla
 
 def fake_sgl_kernel(version: str, base: float | None, calls: list) -> types.ModuleType:
     """``flash_mla_sparse_fwd`` in torch with the kernel's contract asserted: bf16 q with heads a
-    multiple of 64, kv ``[S, 1, d_qk]`` bf16, int32 indices ``[T, 1, K]`` with K a multiple of 64,
+    multiple of 64, kv ``[S, 1, d_qk]`` bf16, int32 indices ``[T, 1, K]`` with K a multiple of 128,
     d_v 512; lse in ``base`` (None: garbage), ``+inf`` for a row with no valid index."""
     def flash_mla_sparse_fwd(q, kv, indices, sm_scale, d_v):
         assert q.dtype == kv.dtype == torch.bfloat16 and q.shape[1] % 64 == 0 and d_v == 512
-        assert kv.dim() == 3 and kv.shape[1] == 1 and indices.dtype == torch.int32 and indices.shape[2] % 64 == 0
+        assert kv.dim() == 3 and kv.shape[1] == 1 and indices.dtype == torch.int32 and indices.shape[2] % 128 == 0
         calls.append((tuple(q.shape), tuple(indices.shape)))
         out, lse = reference_mla(q, kv[:, 0], indices[:, 0], sm_scale, d_v)
         lse = torch.where(torch.isneginf(lse), float("inf"), lse)
@@ -81,10 +81,10 @@ def mla_inputs(t, h, k, lat, rope, rows, q_dtype=torch.bfloat16, seed=0):
 # (id, sm major, T, heads, K, latent, rope, q dtype, cache, -> vendor?, padded heads, padded K)
 MLA_MATRIX = [
     ("glm5-h64-sm90", 9, 3, 64, 128, 512, 64, torch.bfloat16, "bf16", True, 64, 128),
-    ("tp-shard-h16-pad64", 9, 3, 16, 64, 512, 64, torch.bfloat16, "bf16", True, 64, 64),
-    ("h64-sm100-pad128", 10, 2, 64, 64, 512, 64, torch.bfloat16, "bf16", True, 128, 64),
+    ("tp-shard-h16-pad64", 9, 3, 16, 256, 512, 64, torch.bfloat16, "bf16", True, 64, 256),
+    ("h64-sm100-pad128", 10, 2, 64, 128, 512, 64, torch.bfloat16, "bf16", True, 128, 128),
     ("k100-pad128", 9, 2, 64, 100, 512, 64, torch.bfloat16, "bf16", True, 64, 128),
-    ("no-rope-d512", 9, 2, 64, 64, 512, 0, torch.bfloat16, "bf16", True, 64, 64),
+    ("no-rope-d512", 9, 2, 64, 64, 512, 0, torch.bfloat16, "bf16", True, 64, 128),
     ("q-fp32", 9, 2, 16, 64, 512, 64, torch.float32, "bf16", False, 0, 0),
     ("fp8-cache", 9, 2, 16, 64, 512, 64, torch.bfloat16, "fp8", False, 0, 0),
     ("tiny-d144", 9, 2, 4, 16, 128, 16, torch.bfloat16, "bf16", False, 0, 0),
