@@ -79,7 +79,9 @@ def _flashinfer(name: str) -> object | None:
 
 # sparse MLA --------------------------------------------------------------------------------------
 
-def flash_mla_unsupported(q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.Tensor, kv_lora_rank: int) -> str | None:
+def flash_mla_unsupported(
+    q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.Tensor, kv_lora_rank: int
+) -> str | None:
     """Why FlashMLA cannot take this call (``None``: it can)."""
     if not (_on_cuda(q) and _on_cuda(kv_cache) and _on_cuda(indices)):
         return "tensors not on CUDA"

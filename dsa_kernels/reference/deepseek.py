@@ -45,7 +45,9 @@ def fp8_index(q_fp8: torch.Tensor, weights: torch.Tensor, k_fp8: torch.Tensor, k
     return (logits.clamp_min(0) * weights[:, None, :]).sum(-1) * k_scale[None, :]
 
 
-def indexer_topk(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, start_pos: int, topk: int) -> list[set[int]]:
+def indexer_topk(
+    q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, start_pos: int, topk: int
+) -> list[set[int]]:
     """One request: ``q [T, H, D]`` for positions ``start_pos + i``, ``weights [T, H]``
     (``weights_proj`` output), ``keys [start_pos + T, D]``. Returns each query's selected positions
     with a finite score (DeepSeek's top-k may also return masked positions when ``k`` exceeds the

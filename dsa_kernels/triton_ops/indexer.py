@@ -85,7 +85,8 @@ def indexer_scores(
     ``s > positions[t]``; arguments as the reference (raw or already quantized ``q``)."""
     d = _check(q, weights, index_cache, page_table, req_idx, positions)
     if max_context > page_table.shape[1] * PAGE_SIZE:
-        raise ValueError(f"max_context: expected <= {page_table.shape[1] * PAGE_SIZE} (page_table width), got {max_context}")
+        raise ValueError(
+            f"max_context: expected <= {page_table.shape[1] * PAGE_SIZE} (page_table width), got {max_context}")
     if not 0 <= s_start <= max_context:
         raise ValueError(f"s_start: expected in [0, max_context={max_context}], got {s_start}")
     q_fp8, w = _as_quantized(q, weights)

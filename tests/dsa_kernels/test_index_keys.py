@@ -74,8 +74,9 @@ def test_zero_key_gets_floor_scale(backend, device):
     assert float(scale) == 2.0**-22  # 1e-4 / 448 = 2.2e-7, rounded up to a power of two
 
 
-@pytest.mark.parametrize("amax,want", [(448.0, 1.0), (448.0 * (1 + 2**-10), 2.0), (447.0, 1.0), (7.0, 2.0**-6),
-                                       (3e38, 2.0**120)], ids=["exact-pow2", "just-above", "just-below", "small", "huge"])
+@pytest.mark.parametrize(
+    "amax,want", [(448.0, 1.0), (448.0 * (1 + 2**-10), 2.0), (447.0, 1.0), (7.0, 2.0**-6), (3e38, 2.0**120)],
+    ids=["exact-pow2", "just-above", "just-below", "small", "huge"])
 def test_ue8m0_scale_rounds_up_to_power_of_two(backend, device, amax, want):
     """The scale's boundary cases: an exact power of two stays, anything above goes to the next one."""
     keys = torch.zeros(1, 128, device=device)
