@@ -45,6 +45,19 @@ def sglang_scratch_tokens() -> int:
     return value
 
 
+SGLANG_LANDINGS = ("batch", "pool")
+
+
+def sglang_landing() -> str:
+    """``LAYERSPLIT_SGLANG_LANDING``: where the plug-in pool's non-owned layers are read: ``batch``
+    (default; the batch-sized staging slots, through page tables remapped per forward) or ``pool``
+    (upstream's pool-sized landing buffer, which costs one layer of KV capacity)."""
+    value = os.environ.get("LAYERSPLIT_SGLANG_LANDING", "batch").strip().lower()
+    if value not in SGLANG_LANDINGS:
+        raise ValueError(f"LAYERSPLIT_SGLANG_LANDING: expected one of {SGLANG_LANDINGS}, got {value!r}")
+    return value
+
+
 SGLANG_UNSAFE_SKIPS = ("index_wait", "slot_wait", "load_wait", "index_fallback")
 
 

@@ -15,9 +15,16 @@ Per-rank KV budget = ``hbm_reported * mem_fraction - weights per rank``:
   (double buffer), each holding one non-owned layer's rows for ``max_batch_tokens`` tokens (in
   whole pages: ``ceil(T / 64) + max_requests`` pages, as ``layersplit.engine.cp_pool`` allocates them);
 * upstream SGLang layer split (for comparison): owned layers + one pool-sized scratch layer;
-* our SGLang plug-in: upstream's layout (its attention backend addresses the landing buffer with pool
-  locations) plus batch-sized staging: two KV slots and three indexer-key buffers of
-  ``ceil(max_batch_tokens / 64)`` pages (:func:`sglang_plugin_staging_bytes`).
+* our SGLang plug-in (``layersplit.sglang_plugin.pool``, counted with the functions it allocates
+  with, :mod:`layersplit.sglang_plugin.sizing`): owned layers + two batch-sized staging slots of
+  latent rows and indexer-key pages (``ceil(max_batch_tokens / 64) + max_requests`` pages each, the
+  worst batch; set ``LAYERSPLIT_SGLANG_SCRATCH_TOKENS`` to 64 x that, else the pool grows its slots
+  on such a batch) + an 8-byte remap entry per pool page, with its default ``batch`` landing (the
+  DSA backend reads non-owned layers from the slots through remapped page tables); with ``pool``
+  landing (``LAYERSPLIT_SGLANG_LANDING=pool``) upstream's pool-sized landing layer on top.
+  Assumption: SGLang's pool sizing gives the plug-in the memory it saves (the plug-in's hook on
+  ``get_glm_dsa_layer_split_effective_num_layers`` drops upstream's +1 scratch layer; the staging
+  is subtracted from the budget here).
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ from dataclasses import asdict, dataclass
 from dsa_kernels.layout import PAGE_SIZE
 from layersplit.plan.config import HardwareConfig, ModelConfig
 from layersplit.engine.ownership import plan_ownership
+from layersplit.sglang_plugin import sizing
 
 WEIGHT_BYTES = {"fp8": 1.0, "bf16": 2.0, "none": 0.0}
 PLACEMENTS = ("ep", "even")
@@ -43,7 +51,8 @@ def scratch_pages_for(max_batch_tokens: int, max_requests: int) -> int:
 # redundant-shared-host  the same device layout, one host copy per node that every rank reloads from;
 # upstream-layersplit    SGLang 0.5.23 --enable-dsa-cache-layer-split: owned layers + one pool-sized
 #                        landing layer; whole-buffer broadcast on every read (indexer synchronous);
-# sglang-plugin          upstream's layout + this project's batch-sized staging, row-only broadcasts;
+# sglang-plugin          owned layers + batch-sized staging slots read through remapped page tables
+#                        (batch landing), row-only broadcasts;
 # layersplit             this project's engine: owned layers + two batch-sized scratch slots.
 MODES = ("redundant", "redundant-shared-host", "upstream-layersplit", "sglang-plugin", "layersplit")
 BROADCAST = {"redundant": None, "redundant-shared-host": None, "upstream-layersplit": "pool",
@@ -82,16 +91,31 @@ def mode_bytes(model: ModelConfig, cp: int, kv_dtype: str, mode: str, max_batch_
     if mode == "layersplit":
         scratch = 2 * scratch_pages_for(max_batch_tokens, max_requests) * PAGE_SIZE * max(per_layer) if cp > 1 else 0
         return ModeBytes(mode, owned, held, scratch, owned)
+    if mode == "sglang-plugin":  # batch landing: the remap table (1/8 B a token) is left out of this int
+        staging = sglang_plugin_staging_bytes(model, kv_dtype, max_batch_tokens, max_requests) if cp > 1 else 0
+        return ModeBytes(mode, owned, held, staging, owned)
     landing = max(per_layer) if cp > 1 else 0  # one pool-sized layer: a layer's bytes for every pool token
-    staging = sglang_plugin_staging_bytes(model, kv_dtype, max_batch_tokens) if mode == "sglang-plugin" and cp > 1 else 0
-    return ModeBytes(mode, owned + landing, held, staging, owned)
+    return ModeBytes(mode, owned + landing, held, 0, owned)
 
 
-def sglang_plugin_staging_bytes(model: ModelConfig, kv_dtype: str, max_batch_tokens: int) -> int:
-    """Staging the SGLang plug-in allocates beside upstream's pool (``layersplit.sglang_plugin.pool``):
-    two KV slots and three indexer-key page buffers (two prefix slots, one for new pages)."""
-    rows = -(-max_batch_tokens // PAGE_SIZE) * PAGE_SIZE
-    return 2 * rows * model.kv_bytes_per_token(kv_dtype) + 3 * rows * model.index_bytes_per_token
+def sglang_plugin_staging_bytes(model: ModelConfig, kv_dtype: str, max_batch_tokens: int,
+                                max_requests: int = 0) -> int:
+    """Both staging slots the SGLang plug-in pool allocates (latent rows and indexer-key pages) for
+    a batch of ``max_batch_tokens`` context tokens in ``max_requests`` requests."""
+    pages = -(-max_batch_tokens // PAGE_SIZE) + max_requests
+    return sizing.staging_bytes(pages, PAGE_SIZE, model.kv_bytes_per_token(kv_dtype),
+                                PAGE_SIZE * model.index_bytes_per_token)
+
+
+def sglang_plugin_tokens(budget: float, owned_per_token: int, landing_per_token: int, staging: int,
+                         landing: str) -> int:
+    """Pool tokens the plug-in fits in ``budget``: owned layers (+ the pool-sized landing layer) per
+    token, the staging once, and (batch landing) the remap table, ``8 B`` per 64-token page (its
+    one spare entry and the pool's padding page counted as two more pages)."""
+    if landing == "pool":
+        return max(0, int((budget - staging) // (owned_per_token + landing_per_token)))
+    remap = sizing.REMAP_BYTES_PER_PAGE
+    return max(0, int((budget - staging - 2 * remap) * PAGE_SIZE // (owned_per_token * PAGE_SIZE + remap)))
 
 
 def weights_per_rank(model: ModelConfig, weight_dtype: str, placement: str, shards: int) -> tuple[float, float]:
@@ -133,6 +157,27 @@ def _check(req: PlanRequest) -> None:
         raise ValueError(f"weight_shards: expected an integer >= 1, got {req.weight_shards}")
 
 
+def _plugin_capacity(model: ModelConfig, req: PlanRequest, budget: float, kv_dtype: str) -> dict:
+    """The plug-in pool's tokens per rank at ``kv_dtype`` (batch landing, and pool landing), against
+    redundant CP at bf16 and at fp8 in the same budget."""
+    redundant = {d: int(budget // sum(model.layer_bytes_per_token(layer, d) for layer in range(model.num_layers)))
+                 for d in ("bf16", "fp8")}
+    per_layer = [model.layer_bytes_per_token(layer, kv_dtype) for layer in range(model.num_layers)]
+    if req.cp == 1:
+        tokens = tokens_pool = redundant[kv_dtype]
+        staging = 0
+    else:
+        held = plan_ownership(model.num_layers, req.cp, "contiguous")
+        owned = max(sum(per_layer[layer] for layer in held.owned_layers(r)) for r in range(req.cp))
+        staging = sglang_plugin_staging_bytes(model, kv_dtype, req.max_batch_tokens, req.max_requests)
+        tokens = sglang_plugin_tokens(budget, owned, max(per_layer), staging, "batch")
+        tokens_pool = sglang_plugin_tokens(budget, owned, max(per_layer), staging, "pool")
+    return {"kv_dtype": kv_dtype, "staging_bytes": staging, "tokens_per_rank": tokens,
+            "tokens_per_rank_pool_landing": tokens_pool,
+            "tokens_per_rank_redundant_bf16": redundant["bf16"], "tokens_per_rank_redundant_fp8": redundant["fp8"],
+            "ratio_vs_redundant_bf16": tokens / redundant["bf16"], "ratio_vs_redundant_fp8": tokens / redundant["fp8"]}
+
+
 def capacity_plan(model: ModelConfig, hw: HardwareConfig, req: PlanRequest) -> dict:
     """All capacity numbers as one flat dict (what ``layersplit plan --json`` prints)."""
     _check(req)
@@ -163,8 +208,9 @@ def capacity_plan(model: ModelConfig, hw: HardwareConfig, req: PlanRequest) -> d
         raise ValueError(f"context_len: expected <= {tokens_layersplit:,} tokens (what one LayerSplit rank's pool "
                          f"holds), got {req.context_len:,}")
     tokens_upstream = int(budget // upstream_per_token)
-    plugin_staging = sglang_plugin_staging_bytes(model, req.kv_dtype, req.max_batch_tokens) if req.cp > 1 else 0
-    tokens_plugin = max(0, int((budget - plugin_staging) // upstream_per_token))
+    plugin = {dtype: _plugin_capacity(model, req, budget, dtype) for dtype in ("bf16", "fp8")}
+    mine = plugin[req.kv_dtype]
+    plugin_staging, tokens_plugin = mine["staging_bytes"], mine["tokens_per_rank"]
     rows_bytes = req.context_len * max(per_layer)
     return {
         "model": model.name, "hardware": hw.name, "cp": req.cp, "kv_dtype": req.kv_dtype,
@@ -188,6 +234,16 @@ def capacity_plan(model: ModelConfig, hw: HardwareConfig, req: PlanRequest) -> d
         "sglang_plugin_staging_bytes": plugin_staging,
         "tokens_per_rank_sglang_plugin": tokens_plugin,
         "capacity_ratio_sglang_plugin": tokens_plugin / tokens_redundant if tokens_redundant else 0.0,
+        "sglang_plugin_capacity_ratio": tokens_plugin / tokens_redundant if tokens_redundant else 0.0,
+        "sglang_plugin_landing": "batch",
+        "tokens_per_rank_sglang_plugin_pool_landing": mine["tokens_per_rank_pool_landing"],
+        "sglang_plugin_capacity_ratio_pool_landing": mine["tokens_per_rank_pool_landing"] / tokens_redundant
+        if tokens_redundant else 0.0,
+        # the plug-in at both KV dtypes, each against redundant CP at bf16 and at fp8 (same budget)
+        "sglang_plugin_by_kv_dtype": plugin,
+        "tokens_per_rank_sglang_plugin_fp8": plugin["fp8"]["tokens_per_rank"],
+        "sglang_plugin_capacity_ratio_fp8_vs_redundant_bf16": plugin["fp8"]["ratio_vs_redundant_bf16"],
+        "sglang_plugin_capacity_ratio_fp8_vs_redundant_fp8": plugin["fp8"]["ratio_vs_redundant_fp8"],
         "capacity_ratio_ideal": redundant_per_token / owned_per_token,
         "capacity_ratios": {"redundant": 1.0,
                             "upstream-layersplit": tokens_upstream / tokens_redundant if tokens_redundant else 0.0,

@@ -70,6 +70,7 @@ def register() -> bool:
                       batch.before_init_forward_metadata, hook_type.BEFORE, None))
         hooks.append((f"{compat.resolve_path('index_key_cache')}.{hicache.INDEX_READ_TARGET}",
                       hicache.around_get_local_buffer, hook_type.AROUND, None))
+        hooks += _landing_hooks(compat, hook_type)
     if monitor_on:  # per verify step where the release allows it, else at completion (spec_step.monitor_hooks)
         monitor_hooks, _state["monitor"] = spec_step.monitor_hooks(hook_type)
         hooks += monitor_hooks
@@ -78,6 +79,19 @@ def register() -> bool:
         log.info("layersplit: %s hook on %s", kind.value, target)
     _state["hooks"] = hooks
     return True
+
+
+def _landing_hooks(compat, hook_type) -> list:
+    """CUDA-graph fallback and batch-sized landing (:mod:`.batch`, :mod:`.landing`): hooks on the DSA
+    backend's graph metadata, its per-layer reads, and SGLang's layer-split pool sizing."""
+    from layersplit.sglang_plugin import batch, landing
+
+    backend = compat.resolve_path("dsa_backend")
+    hooks = [(f"{backend}.{batch.GRAPH_TARGET_METHOD}", batch.before_out_graph_metadata, hook_type.BEFORE, None),
+             (f"{backend}.{landing.INDEXER_TARGET}", landing.around_get_indexer_metadata, hook_type.AROUND, None),
+             (landing.SIZING_TARGET, landing.around_effective_num_layers, hook_type.AROUND, None)]
+    return hooks + [(f"{backend}.{name}", landing.around_forward, hook_type.AROUND, None)
+                    for name in landing.FORWARD_TARGETS]
 
 
 def _add_server_flag() -> None:

@@ -54,10 +54,16 @@ LAYERS, SIZE, PAGE = 5, 512, 64
 PREFIX_PAGES, NEW_PAGES = [1, 2, 5], [5, 6]  # the batch: a cached prefix, then new tokens (page 5 shared)
 
 
-def dsa_pool_kwargs(layers: int = LAYERS, page: int = PAGE) -> dict:
-    """The keyword arguments SGLang's ``_build_dsa_kv_pool`` passes (GLM-5 cache geometry, CPU)."""
-    return dict(page_size=page, dtype=torch.bfloat16, kv_lora_rank=512, qk_rope_head_dim=64, layer_num=layers,
-                device="cpu", kv_cache_dim=576, enable_memory_saver=False, start_layer=0, end_layer=layers,
+KV_CACHE_DIM = {"bf16": 576, "fp8": 656}  # what SGLang's calculate_mla_kv_cache_dim gives GLM-5 (store elements)
+
+
+def dsa_pool_kwargs(layers: int = LAYERS, page: int = PAGE, kv_dtype: str = "bf16") -> dict:
+    """The keyword arguments SGLang's ``_build_dsa_kv_pool`` passes (GLM-5 cache geometry, CPU);
+    ``kv_dtype="fp8"``: SGLang's fp8 DSA layout (``--kv-cache-dtype fp8_e4m3``)."""
+    dtype = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}[kv_dtype]
+    return dict(page_size=page, dtype=dtype, kv_lora_rank=512, qk_rope_head_dim=64, layer_num=layers,
+                device="cpu", kv_cache_dim=KV_CACHE_DIM[kv_dtype], enable_memory_saver=False, start_layer=0,
+                end_layer=layers,
                 index_head_dim=128, index_kpool=1, index_kpool_compress=False, tail_extra_slots=0,
                 max_running_requests=8)
 
@@ -423,10 +429,13 @@ def _pool_worker(rank: int, port: int, unsafe: str, iterations: int, seed: int, 
                 pool.set_forward_pages(pages, new_pages=torch.tensor(NEW_PAGES))
                 got = forward_layers(pool, seed=seed * 100_003 + it, launch=dm.launch)
                 dm.synchronize()
-            for (index, kv), (ref_index, ref_kv) in zip(got, want):
+            for layer_id, ((index, kv), (ref_index, ref_kv)) in enumerate(zip(got, want)):
                 checked += 1
-                stale += not (torch.equal(kv[rows].view(torch.uint8), ref_kv[rows].view(torch.uint8))
-                              and torch.equal(index[pages], ref_index[pages]))
+                # batch landing: a non-owned layer was read from a slot, where the remapped tables point
+                remapped = pool.reads_remapped(layer_id)
+                at_pages, at_rows = (pool.remap_pages(pages), pool.remap_locs(rows)) if remapped else (pages, rows)
+                stale += not (torch.equal(kv[at_rows].view(torch.uint8), ref_kv[rows].view(torch.uint8))
+                              and torch.equal(index[at_pages], ref_index[pages]))
         hazards = [str(h) for h in sanitizer.disable().hazards] if san is not None else None
         queue.put((rank, (checked, stale, hazards), None))
     except Exception:

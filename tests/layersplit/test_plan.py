@@ -34,16 +34,30 @@ def test_glm5_cp8_h200_bf16(capsys):
     assert r["tokens_per_rank_redundant"] == int(budget // (78 * 1284))
     assert r["broadcast_bytes_per_layer"] == 131072 * 1284
     assert r["broadcast_bytes_per_layer"] < r["broadcast_bytes_per_layer_upstream"]
-    # the SGLang plug-in: upstream's layout (11 layer-equivalents a token) minus its staging
-    staging = 2 * 131072 * 1152 + 3 * 131072 * 132
-    assert r["sglang_plugin_staging_bytes"] == staging == 353_894_400
-    assert r["tokens_per_rank_sglang_plugin"] == int((budget - staging) // (11 * 1284))
-    assert r["capacity_ratio_sglang_plugin"] < r["capacity_ratio_upstream"] < r["capacity_ratio"]
+    # the SGLang plug-in (batch landing): 10 owned layers, two staging slots of rows and index pages
+    # (the engine's 2056 pages), an 8-byte remap entry per 64-token page (+ 2 spare entries)
+    staging = 2 * (131072 // 64 + 8) * (64 * 1152 + 64 * 132)
+    assert r["sglang_plugin_staging_bytes"] == staging == 337_907_712
+    assert r["tokens_per_rank_sglang_plugin"] == int((budget - staging - 16) * 64 // (10 * 1284 * 64 + 8))
+    assert r["sglang_plugin_capacity_ratio"] == r["capacity_ratio_sglang_plugin"] >= 7.6
+    assert r["capacity_ratio_upstream"] < r["sglang_plugin_capacity_ratio"] <= r["capacity_ratio"]
+    # with upstream's pool-sized landing layer kept (LAYERSPLIT_SGLANG_LANDING=pool): 11 layers a token
+    assert r["tokens_per_rank_sglang_plugin_pool_landing"] == int((budget - staging) // (11 * 1284))
+    assert r["sglang_plugin_capacity_ratio_pool_landing"] < r["capacity_ratio_upstream"]
 
 
 def test_fp8_and_glm52_bytes(capsys):
     r = run_json(capsys, "--model", "glm-5", "--cp", "8", "--hardware", "h200", "--kv-dtype", "fp8")
     assert r["kv_bytes_per_token_layer"] == 656 and r["bytes_per_token_redundant"] == 78 * (656 + 132)
+    # the plug-in with fp8 KV: against redundant fp8 and against redundant bf16 in the same budget
+    budget, fp8 = r["kv_budget_bytes_per_rank"], r["sglang_plugin_by_kv_dtype"]["fp8"]
+    staging = 2 * (131072 // 64 + 8) * (64 * 656 + 64 * 132)
+    assert fp8["staging_bytes"] == r["sglang_plugin_staging_bytes"] == staging
+    assert fp8["tokens_per_rank"] == r["tokens_per_rank_sglang_plugin_fp8"] == int(
+        (budget - staging - 16) * 64 // (10 * 788 * 64 + 8))
+    assert fp8["tokens_per_rank_redundant_bf16"] == int(budget // (78 * 1284))
+    assert r["sglang_plugin_capacity_ratio_fp8_vs_redundant_fp8"] == fp8["tokens_per_rank"] / int(budget // (78 * 788))
+    assert r["sglang_plugin_capacity_ratio_fp8_vs_redundant_bf16"] > 12  # ~1.6x more tokens than bf16 on top
     r = run_json(capsys, "--model", "glm-5.2", "--cp", "8", "--hardware", "h200")
     assert r["bytes_per_token_redundant"] == 78 * 1152 + 21 * 132
     assert r["indexer_layers"] == 21
@@ -131,4 +145,4 @@ def test_budget_terms_by_placement(capsys):
     assert even["kv_budget_bytes_per_rank"] > r["kv_budget_bytes_per_rank"] + 15e9  # replicated weights cost ~17 GB
     ratios = r["capacity_ratios"]
     assert list(ratios) == ["redundant", "upstream-layersplit", "sglang-plugin", "layersplit"]
-    assert ratios["redundant"] == 1.0 < ratios["sglang-plugin"] < ratios["upstream-layersplit"] < ratios["layersplit"]
+    assert ratios["redundant"] == 1.0 < ratios["upstream-layersplit"] < ratios["sglang-plugin"] <= ratios["layersplit"]

@@ -43,7 +43,8 @@ def layer(i: int):
 
 
 def write_all(pool, seed: int = 0) -> None:
-    """Same writes on every pool: latent + rope rows and quantized index keys, every layer."""
+    """Same writes on every pool: latent + rope rows (quantized by SGLang on an fp8 pool) and
+    quantized index keys, every layer."""
     g = torch.Generator().manual_seed(seed)
     loc = torch.randperm(SIZE, generator=g)[:200]
     for i in range(LAYERS):
@@ -84,7 +85,10 @@ def test_staging_is_batch_sized_and_double_buffered(monkeypatch):
     monkeypatch.setenv("LAYERSPLIT_SGLANG_SCRATCH_TOKENS", "100")
     pool = make_pool(0)
     assert [s.shape[0] for s in pool.kv_staging] == [128, 128]  # 100 tokens rounded up to whole pages
-    assert pool.remote_kv_buffer.shape[0] == SIZE + PAGE  # upstream's landing buffer, unchanged
+    assert pool.remote_kv_buffer is None and pool.index_key_cache.remote_buffer is None  # batch landing
+    assert [s.shape[0] for s in pool._index.buffers] == [2, 2]  # index pages of 128 tokens
+    monkeypatch.setenv("LAYERSPLIT_SGLANG_LANDING", "pool")
+    assert make_pool(0).remote_kv_buffer.shape[0] == SIZE + PAGE  # upstream's landing buffer, unchanged
     pool.set_forward_pages(torch.tensor([7, 1, 3, 1]))
     assert pool.forward_pages.tolist() == [1, 3, 7]
     assert [s.shape[0] for s in pool.kv_staging] == [192, 192]  # a larger batch grows them
@@ -152,17 +156,19 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
-def _broadcast_worker(rank: int, port: int, mode: str, queue) -> None:
+def _broadcast_worker(rank: int, port: int, mode: str, queue, landing: str = "batch", kv_dtype: str = "bf16") -> None:
     import torch.distributed as dist
 
+    os.environ["LAYERSPLIT_SGLANG_LANDING"] = landing
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     try:
+        kwargs = dsa_pool_kwargs(kv_dtype=kv_dtype)
         with parallel():
-            ref = compat.resolve("dsa_pool")(SIZE, **pool_kwargs())
+            ref = compat.resolve("dsa_pool")(SIZE, **kwargs)
             prefix(ref)
             want = forward(ref, seed=2)
         with parallel(world=2, group=dist.group.WORLD):
-            pool = make_pool_class()(SIZE, **pool_kwargs(), layer_shard_rank=rank, layer_shard_size=2)
+            pool = make_pool_class()(SIZE, **kwargs, layer_shard_rank=rank, layer_shard_size=2)
             prefix(pool)
             if mode == "pages":
                 pool.set_forward_pages(torch.tensor(PREFIX_PAGES + NEW_PAGES), new_pages=torch.tensor(NEW_PAGES))
@@ -170,9 +176,12 @@ def _broadcast_worker(rank: int, port: int, mode: str, queue) -> None:
         pages = torch.tensor(sorted(set(PREFIX_PAGES + NEW_PAGES)))
         rows = (pages[:, None] * PAGE + torch.arange(PAGE)).flatten()
         same = []
-        for (index, kv), (ref_index, ref_kv) in zip(got, want):
-            same.append(bool(torch.equal(index[pages], ref_index[pages])))
-            same.append(bool(torch.equal(kv[rows].view(torch.uint8), ref_kv[rows].view(torch.uint8))))
+        for layer_id, ((index, kv), (ref_index, ref_kv)) in enumerate(zip(got, want)):
+            # a non-owned layer read from the batch slots: its rows where the remapped tables point
+            remapped = mode == "pages" and pool.reads_remapped(layer_id)
+            at_pages, at_rows = (pool.remap_pages(pages), pool.remap_locs(rows)) if remapped else (pages, rows)
+            same.append(bool(torch.equal(index[at_pages], ref_index[pages])))
+            same.append(bool(torch.equal(kv[at_rows].view(torch.uint8), ref_kv[rows].view(torch.uint8))))
         queue.put((rank, same, dict(pool.broadcast_bytes), None))
     except Exception:
         import traceback
@@ -182,19 +191,26 @@ def _broadcast_worker(rank: int, port: int, mode: str, queue) -> None:
         dist.destroy_process_group()
 
 
-@pytest.mark.timeout(300)
-@pytest.mark.parametrize("mode", ["pages", "whole"])
-def test_non_owned_layers_after_gloo_broadcast(mode):
-    """Two CP ranks (processes, gloo): every layer each rank reads, owned or broadcast, equals a
-    single-process upstream pool on the batch's pages; with the batch's pages only those are sent."""
+def run_broadcast(mode: str, landing: str = "batch", kv_dtype: str = "bf16") -> list:
+    """Two CP rank processes (gloo) run :func:`_broadcast_worker`; their results by rank."""
     ctx = mp.get_context("spawn")
     queue, port = ctx.Queue(), _port()
-    procs = [ctx.Process(target=_broadcast_worker, args=(r, port, mode, queue)) for r in range(2)]
+    procs = [ctx.Process(target=_broadcast_worker, args=(r, port, mode, queue, landing, kv_dtype)) for r in range(2)]
     for p in procs:
         p.start()
     results = [queue.get(timeout=240) for _ in procs]
     for p in procs:
         p.join(timeout=30)
+    return results
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("mode,landing", [("pages", "batch"), ("pages", "pool"), ("whole", "batch")])
+def test_non_owned_layers_after_gloo_broadcast(mode, landing):
+    """Two CP ranks (processes, gloo): every layer each rank reads, owned or broadcast, equals a
+    single-process upstream pool on the batch's pages (batch landing: where the remapped tables
+    point); with the batch's pages only those are sent."""
+    results = run_broadcast(mode, landing)
     batch_pages = len(set(PREFIX_PAGES + NEW_PAGES))
     for rank, same, sent, err in results:
         assert err is None, err
@@ -278,23 +294,32 @@ def test_entry_point_registers_and_unregisters(monkeypatch, how):
 
 def test_forward_pages_hook_reads_the_batch_like_the_backend():
     """The BEFORE hook on the DSA backend's init_forward_metadata hands the pool the pages of
-    tokens [0, seq_len) of each request in the batch (SGLang's own ReqToTokenPool)."""
+    tokens [0, seq_len) of each request in the batch (SGLang's own ReqToTokenPool), split at each
+    request's cached prefix, sized from the host lists SGLang keeps (seq_lens_cpu,
+    extend_prefix_lens_cpu)."""
     from layersplit.sglang_plugin.batch import before_init_forward_metadata
 
     req_to_token_pool = __import__("sglang.srt.mem_cache.memory_pool", fromlist=["x"]).ReqToTokenPool(
         size=4, max_context_len=300, device="cpu", enable_memory_saver=False)
-    req_to_token_pool.req_to_token[2, :130] = torch.arange(3 * PAGE, 3 * PAGE + 130)  # pages 3, 4, 5
-    req_to_token_pool.req_to_token[2, 130:] = 8 * PAGE  # beyond seq_len: not part of the batch
-    req_to_token_pool.req_to_token[0, :5] = torch.tensor([1, 2, 3, 4, 7 * PAGE + 1])  # pages 0, 7
+    table = req_to_token_pool.req_to_token
+    table[2, :130] = torch.arange(3 * PAGE, 3 * PAGE + 130)  # pages 3, 4, 5
+    table[2, 130:] = 8 * PAGE  # beyond seq_len: not part of the batch
+    table[0, :PAGE] = torch.arange(3 * PAGE, 4 * PAGE)  # the same cached page 3 (radix cache)
+    table[0, PAGE:70] = torch.arange(7 * PAGE, 7 * PAGE + 6)  # then page 7
     pool = make_pool(0)
     backend = SimpleNamespace(token_to_kv_pool=pool, req_to_token_pool=req_to_token_pool)
-    batch = SimpleNamespace(req_pool_indices=torch.tensor([2, 0]), seq_lens=torch.tensor([130, 5]))
+    batch = SimpleNamespace(req_pool_indices=torch.tensor([2, 0]), seq_lens=torch.tensor([130, 70]),
+                            seq_lens_cpu=torch.tensor([130, 70]))
     assert before_init_forward_metadata(backend, batch) is None
-    assert pool.forward_pages.tolist() == [0, 3, 4, 5, 7]
-    assert pool._new_pages.tolist() == [0, 3, 4, 5, 7]  # no out_cache_loc: every page counts as new
-    batch.out_cache_loc = torch.cat([req_to_token_pool.req_to_token[2, 120:130], torch.tensor([7 * PAGE + 1])])
+    assert pool.forward_pages.tolist() == [3, 4, 5, 3, 7]  # no prefix lengths: every page counts as new
+    assert pool._prefix_pages.tolist() == []
+    batch.extend_prefix_lens_cpu = [120, 64]  # request 2 continues inside page 4
     before_init_forward_metadata(backend, batch)
-    assert pool._new_pages.tolist() == [4, 5, 7] and pool._prefix_pages.tolist() == [0, 3]
+    assert pool._prefix_pages.tolist() == [3, 3] and pool._new_pages.tolist() == [4, 5, 7]
+    assert pool.forward_pages.tolist() == [3, 3, 4, 5, 7]  # slot order: prefix pages, then new pages
+    batch.seq_lens_cpu = None  # reading the device seq_lens would stall the host: upstream's path
+    before_init_forward_metadata(backend, batch)
+    assert pool.forward_pages is None
     other = SimpleNamespace(token_to_kv_pool=compat.resolve("dsa_pool")(SIZE, **pool_kwargs()),
                             req_to_token_pool=req_to_token_pool)
     assert before_init_forward_metadata(other, batch) is None  # any other pool: left alone
@@ -344,15 +369,16 @@ def test_monitor_hook_on_real_tokenizer_manager(monkeypatch):
     assert TARGET not in compat.resolve("hook_registry")._hooks
 
 
-def _prefill_rank_worker(rank: int, world: int, pages: list[int], queue) -> None:
+def _prefill_rank_worker(rank: int, world: int, pages: list[int], queue, kv_dtype: str = "bf16") -> None:
     """One prefill CP rank: build the pool, apply the writes, and read out exactly the buffers it
     registers for PD transfer (``get_contiguous_buf_infos`` / ``get_state_buf_infos``), page by page,
     as the transfer engine would from (ptr + page * item_len). Each buffer is labelled the way
     SGLang's PD prefill labels it: layer ``prefill_start_layer + position`` in the reported list."""
     try:
         with parallel(world=world):
-            pool = (make_pool_class()(SIZE, **pool_kwargs(), layer_shard_rank=rank, layer_shard_size=world)
-                    if world > 1 else compat.resolve("dsa_pool")(SIZE, **pool_kwargs()))
+            kwargs = dsa_pool_kwargs(kv_dtype=kv_dtype)
+            pool = (make_pool_class()(SIZE, **kwargs, layer_shard_rank=rank, layer_shard_size=world)
+                    if world > 1 else compat.resolve("dsa_pool")(SIZE, **kwargs))
             write_all(pool)
             start = pool.layer_shard_start if world > 1 else pool.start_layer
             sends = []
@@ -376,7 +402,7 @@ def _prefill_rank_worker(rank: int, world: int, pages: list[int], queue) -> None
         queue.put((rank, None, traceback.format_exc()))
 
 
-def _decode_receives(world: int, pages: list[int], remap: dict[int, int]):
+def _decode_receives(world: int, pages: list[int], remap: dict[int, int], kv_dtype: str = "bf16"):
     """Spawn ``world`` prefill ranks; post their page writes through the pd transfer-engine model
     into one decode-side SGLang pool (all layers)."""
     import random
@@ -386,13 +412,13 @@ def _decode_receives(world: int, pages: list[int], remap: dict[int, int]):
 
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    procs = [ctx.Process(target=_prefill_rank_worker, args=(r, world, pages, queue)) for r in range(world)]
+    procs = [ctx.Process(target=_prefill_rank_worker, args=(r, world, pages, queue, kv_dtype)) for r in range(world)]
     for p in procs:
         p.start()
     results = [queue.get(timeout=240) for _ in procs]
     for p in procs:
         p.join(timeout=30)
-    decode = compat.resolve("dsa_pool")(SIZE, **pool_kwargs())
+    decode = compat.resolve("dsa_pool")(SIZE, **dsa_pool_kwargs(kv_dtype=kv_dtype))
     loop = EventLoop()
 
     def land(page_key, tag, payload):
@@ -520,9 +546,9 @@ def test_staging_slot_events_under_real_asynchrony():
     assert safe.layer_reads == 2 * 6 * LAYERS and safe.stale_reads == 0, safe
     unsafe = run_pool(iterations=6, unsafe_skip=("slot_wait",))
     assert unsafe.stale_reads > 0, unsafe
-    # the broadcast's wait for the owner's HiCache load, switched off: receivers get rows still loading
-    unloaded = run_pool(iterations=6, unsafe_skip=("load_wait",))
-    assert unloaded.stale_reads > 0, unloaded
+    # the broadcast's wait for the owner's HiCache load, switched off: whether a receiver then reads
+    # rows still loading depends on the random stalls (seed 0 reads none since the batch-sized landing);
+    # test_pool_clean_under_the_sanitizer reports that missing order deterministically
 
 
 def test_stress_command_line(capsys, monkeypatch):
