@@ -1,0 +1,195 @@
+"""State hashing: a canonical fingerprint of a :class:`~pd.check.world.World`, so revisits are pruned.
+
+The fingerprint keeps everything the protocol's future depends on and drops what it does not: counters
+and statistics, virtual times, random-number states (they only draw delays, which the checker does not
+use, and fresh abort tokens, which are only ever compared for equality). Values that are fresh names —
+abort tokens, page generations, engine batch ids, the request objects themselves — are renamed by
+first appearance, so two interleavings that reach the same state up to those names hash alike.
+:data:`FIELDS` classifies every attribute of every class a world holds, as *state* (hashed) or
+*ignored*; ``unclassified`` (run by a test) catches a new attribute nobody has classified yet.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+from pd.check.choice_channel import ChoiceChannel
+from pd.cluster import PDCluster
+from pd.decode_side import TRANSFERRING, WAITING, DecodeNode, DecodeRequest
+from pd.messages import Abort, AbortAck, TransferRequest
+from pd.prefill_kv import PrefillKV, SourceRead
+from pd.prefill_side import PrefillNode, PrefillRequest
+from pd.transfer_engine import TransferEngine, WriteTag
+
+_COUNTERS = {"stats", "rng"}
+FIELDS: dict[type, tuple[set[str], set[str]]] = {  # class -> (state, ignored)
+    DecodeNode: ({"reqs", "queue", "watermarks", "_epoch", "kv"},
+                 _COUNTERS | {"loop", "cfg", "send", "topology", "registry", "on_finish", "release_latencies",
+                              "abort_reasons"}),
+    DecodeRequest: ({"rid", "room", "n_pages", "state", "pages", "tags", "epoch", "incarnations", "told", "done_peers",
+                     "open_ranks", "abort_reason", "abort_token", "unacked", "sends", "quarantined"}, {"aborted_at"}),
+    PrefillNode: ({"incarnation", "alive", "up", "book", "kv", "queue", "engine"},
+                  _COUNTERS | {"peer", "loop", "cfg", "send", "layers", "fraction", "registry", "_past_peaks"}),
+    PrefillRequest: ({"msg", "incarnation", "sources", "source_tags", "computing", "lease", "aborted", "token",
+                      "failed", "posted_all", "done"}, set()),
+    TransferEngine: ({"_status", "_batches", "_in_flight", "_drain_waiters"},
+                     _COUNTERS | {"loop", "land", "faults", "_next"}),
+    PDCluster: ({"rooms", "attempts", "latest", "decode", "prefills", "channel", "loop", "registry"},
+                _COUNTERS | {"cfg", "fault_rng", "outcomes", "retries"}),
+    ChoiceChannel: ({"queues", "late"}, {"stats", "_handlers"}),
+}
+
+
+# WaitingForInput and Transferring differ only in statistics: every decision of DecodeNode treats them
+# alike (both live, both polled, both accept TransferDone), so states that differ only there are one state
+_STATE = {TRANSFERRING: WAITING}
+
+
+def unclassified(world) -> list[str]:
+    """``Class.attribute`` names present in ``world`` that :data:`FIELDS` does not classify."""
+    c = world.cluster
+    objects = [c, c.decode, c.channel, *c.prefills, *(n.engine for n in c.prefills), *c.decode.reqs.values(),
+               *(r for n in c.prefills for r in n.book.records.values())]
+    missing = set()
+    for obj in objects:
+        state, ignored = FIELDS[type(obj)]
+        missing |= {f"{type(obj).__name__}.{a}" for a in vars(obj) if a not in state | ignored}
+    return sorted(missing)
+
+
+class _Canon:
+    """Renames fresh values and objects by first appearance."""
+
+    def __init__(self, world) -> None:
+        self.names: dict[tuple, int] = {}
+        self.world = world
+
+    def name(self, kind: str, raw) -> int | None:
+        return None if raw is None else self.names.setdefault((kind, raw), len(self.names))
+
+    def tag(self, t: WriteTag | None):
+        return None if t is None else (t.room, self.name("gen", t.generation))
+
+    def obj(self, o):
+        key = ("obj", id(o))
+        if key in self.names:
+            return ("ref", self.names[key])
+        self.names[key] = len(self.names)
+        if isinstance(o, DecodeRequest):
+            return ("D", o.rid, o.room, o.n_pages, _STATE.get(o.state, o.state), tuple(o.pages), tuple(self.tag(t) for t in o.tags),
+                    o.epoch, o.incarnations, tuple(sorted(o.told)), tuple(sorted(o.done_peers)),
+                    tuple(sorted(o.open_ranks)), o.abort_reason, self.name("tok", o.abort_token),
+                    tuple(sorted(o.unacked)), o.sends, o.quarantined)
+        assert isinstance(o, PrefillRequest), f"no canonical form for {type(o).__name__}"
+        return ("P", self.msg(o.msg), o.incarnation, tuple(o.sources), tuple(self.tag(t) for t in o.source_tags),
+                o.computing, o.lease, o.aborted, self.name("tok", o.token), o.failed, o.posted_all, o.done)
+
+    def msg(self, m):
+        if isinstance(m, TransferRequest):
+            return ("TR", m.rid, m.room, m.epoch, m.incarnation, m.floor, m.pages,
+                    tuple(self.name("gen", g) for g in m.generations))
+        if isinstance(m, Abort):
+            return ("A", m.rid, m.room, self.name("tok", m.token), m.epoch, m.floor)
+        if isinstance(m, AbortAck):
+            return ("AA", m.rid, m.room, self.name("tok", m.token), m.peer, m.incarnation)
+        return (type(m).__name__, m.rid, m.room, m.peer)
+
+    def value(self, v):
+        if isinstance(v, (DecodeRequest, PrefillRequest)):
+            return self.obj(v)
+        if isinstance(v, WriteTag):
+            return self.tag(v)
+        if isinstance(v, SourceRead):
+            return ("src", self.name("kv", id(v.kv)), v.page, self.tag(v.tag))
+        if isinstance(v, tuple):
+            return tuple(self.value(x) for x in v)
+        if isinstance(v, partial):
+            return (self.fn(v.func), tuple(self.value(a) for a in v.args))
+        if callable(v):
+            return self.fn(v)
+        if isinstance(v, (TransferRequest, Abort, AbortAck)) or hasattr(v, "peer"):
+            return self.msg(v)
+        return v
+
+    def fn(self, f):
+        target = getattr(f, "__self__", None)
+        return (getattr(f, "__name__", repr(f)), self.owner(target))
+
+    def owner(self, target):
+        c = self.world.cluster
+        if target is c.decode:
+            return "decode"
+        if isinstance(target, PrefillNode):
+            return ("prefill", target.peer)
+        if isinstance(target, TransferEngine):
+            return ("engine", next(i for i, n in enumerate(c.prefills) if n.engine is target))
+        if isinstance(target, PrefillKV):
+            return ("kv", self.name("kv", id(target)))
+        if target is c:
+            return "router"
+        return None if target is None or isinstance(target, type(len)) else type(target).__name__
+
+
+def _sort_key(event) -> str:
+    fn, args = event[2], event[3]
+    def raw(a) -> str:
+        if isinstance(a, DecodeRequest):
+            return f"d{a.room}"
+        if isinstance(a, PrefillRequest):
+            return f"p{a.msg.room}.{a.incarnation}"
+        if isinstance(a, WriteTag):
+            return f"t{a.room}"
+        if isinstance(a, SourceRead):
+            return f"s{a.page}"
+        return str(a)
+    owner = getattr(getattr(fn, "__self__", None), "peer", "")
+    return f"{getattr(fn, '__name__', '')}|{owner}|" + "|".join(raw(a) for a in args)
+
+
+def fingerprint(world) -> int:
+    """A hash of ``world``'s canonical form (equal for states equal up to fresh names)."""
+    return hash(canonical(world))
+
+
+def canonical(world) -> tuple:
+    k, c = _Canon(world), world.cluster
+    d = c.decode
+    decode = (_pages(k, d.kv, d.kv.data, len(d.kv.overwrites)), tuple(k.obj(d.reqs[room]) for room in sorted(d.reqs)),
+              tuple(k.obj(r) for r in d.queue), d._epoch,
+              tuple((tuple(sorted(e for e in w._open if e not in w._closed)), w._next) for w in d.watermarks))
+    prefills = tuple(
+        (n.incarnation, n.alive, n.up, k.name("kv", id(n.kv)), _pages(k, n.kv, n.kv.content, len(n.kv.stale_reads)),
+         tuple((room, k.obj(n.book.records[room])) for room in sorted(n.book.records)),
+         tuple(sorted(n.book.tombstones.items())), n.book.floor, tuple(sorted(n.book._by_epoch)),
+         tuple(k.obj(r) for r in n.queue))
+        for n in c.prefills)
+    engines = tuple(
+        (tuple((k.name("batch", (rank, b)), e._status[b], rec.owner, rec.remaining, k.value(rec.on_status),
+                k.value(rec.on_quiesced)) for b, rec in sorted(e._batches.items())),
+         tuple(sorted((o, v) for o, v in e._in_flight.items() if v)),
+         tuple((k.value(owners), k.value(fn)) for owners, fn in e._drain_waiters))
+        for rank, e in enumerate(n.engine for n in c.prefills))
+    channel = (tuple((pair, tuple(k.msg(m) for m in q)) for pair, q in sorted(world.channel.queues.items()) if q),
+               tuple(sorted(((pair, k.msg(m)) for pair, m in world.channel.late), key=repr)))
+    events = tuple(_event(k, e) for e in sorted(c.loop.events(), key=_sort_key))
+    return (decode, prefills, engines, tuple(c.registry._serving), channel, events, c.rooms,
+            tuple(sorted(c.attempts.items())), tuple((rid, k.obj(c.latest[rid])) for rid in sorted(c.latest)),
+            world.faults_used, world.cancels_used, tuple(sorted(world.floors_told.items())),
+            tuple(sorted(world.polls.items())))
+
+
+def _event(k: _Canon, e) -> tuple:
+    fn, args = e[2], e[3]
+    if getattr(fn, "__name__", "") in ("_write", "fail", "_quiesce"):  # engine events: batch ids are fresh names
+        rank = k.owner(fn.__self__)[1]
+        return (k.fn(fn), k.name("batch", (rank, args[0])), tuple(k.value(a) for a in args[1:]))
+    return (k.fn(fn), tuple(k.value(a) for a in args))
+
+
+def _pages(k: _Canon, pages, content, extra: int = 0) -> tuple:
+    return (tuple(k.tag(t) for t in pages.owner), tuple(pages.free_pages), tuple(map(_row, content)),
+            len(pages.bad_frees), extra)
+
+
+def _row(r):
+    return tuple(r) if isinstance(r, list) else r
