@@ -31,7 +31,7 @@ import importlib
 import torch
 
 from lsconfig import envs
-from layersplit.sglang_plugin import compat
+from layersplit.sglang_plugin import compat, metrics
 
 
 def _module_of(cls: type):
@@ -79,7 +79,12 @@ def make_counter_class(base: type | None = None, loading_base: type | None = Non
             """The current stream waits until the indexer keys of local layer ``threshold`` are loaded."""
             if self.consumer_index < 0:
                 return
-            self.events[self.consumer_index].wait_index(threshold)
+            event = self.events[self.consumer_index]
+            metrics.shared().timed_wait("index_ready", lambda: event.wait_index(threshold))
+
+        def wait_until(self, threshold: int) -> None:
+            """Upstream's whole-layer wait (KV-ready), counted for the operator."""
+            metrics.shared().timed_wait("kv_ready", lambda: super(SplitLayerDoneCounter, self).wait_until(threshold))
 
     return SplitLayerDoneCounter
 

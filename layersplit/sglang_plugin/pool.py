@@ -47,7 +47,7 @@ import logging
 import torch
 
 from lsconfig import envs
-from layersplit.sglang_plugin import compat, sizing
+from layersplit.sglang_plugin import compat, metrics, sizing
 
 log = logging.getLogger(__name__)
 
@@ -71,12 +71,15 @@ class _Slots:
         self.events: dict[int, object] = {}
         self.landed: int | None = None
         self.growth_events = 0  # times a batch outgrew the slots (each one an allocation)
+        self.on_growth = None  # called on each
 
     def reserve(self, rows: int, row_shape: tuple, dtype, device, minimum: int = 0) -> None:
         for i, buf in enumerate(self.buffers):
             if buf is None or buf.shape[0] < rows:
                 if buf is not None:
                     self.growth_events += 1
+                    if self.on_growth is not None:
+                        self.on_growth()
                     log.info("layersplit: a batch of %d %s rows exceeds the staging slots (%d); growing them",
                              rows, self.kind, buf.shape[0])
                 self.buffers[i] = torch.empty((max(rows, minimum), *row_shape), dtype=dtype, device=device)
@@ -155,13 +158,29 @@ def make_pool_class(base: type | None = None, index_cache_base: type | None = No
             # path when prefetched), new-token index pages (on it)
             self.broadcast_bytes = {"kv": 0, "index_prefix": 0, "index_new": 0}
             self.pool_landing_allocations = 0
+            self.metrics = metrics.shared()
             self._staging_rows = envs.sglang_scratch_tokens()
             self._unsafe_skip = envs.sglang_unsafe_skip()
             super().__init__(*args, layer_shard_rank=layer_shard_rank, layer_shard_size=layer_shard_size, **kwargs)
             self._index.reserve(self._slot_pages(), self._index_row_shape(), self.index_k_with_scale_buffer_dtype,
                                 self.device)
+            self._kv.on_growth = lambda: self.metrics.add("growth", "kv", 1)
+            self._index.on_growth = lambda: self.metrics.add("growth", "index", 1)
+            self.publish_capacity()
             log.info("layersplit: %s landing; staging 2 x %d KV rows + 2 x %d index pages = %.3f GB",
                      self.landing, self._kv.buffers[0].shape[0], self._slot_pages(), self.staging_bytes() / 1e9)
+
+        def publish_capacity(self) -> None:
+            """Gauge the tokens this pool holds and what upstream's layout (owned layers + a pool-sized
+            landing layer of KV rows and index pages) would hold in the same bytes."""
+            rows = self.size + self.page_size
+            owned_per_token = self.get_kv_size_bytes() / rows
+            landing_per_token = (self.kv_cache_dim * torch._utils._element_size(self.store_dtype)
+                                 + self.index_key_cache._buffer_shape(1)[1] / self.page_size)
+            held = self.get_kv_size_bytes() + self.staging_bytes()
+            self.metrics.set("pool_tokens", "plugin", self.size)
+            upstream = int(held / (owned_per_token + landing_per_token)) - self.page_size
+            self.metrics.set("pool_tokens", "upstream", upstream)
 
         # buffers -------------------------------------------------------------------------------
         def _slot_pages(self) -> int:
@@ -209,6 +228,7 @@ def make_pool_class(base: type | None = None, index_cache_base: type | None = No
                 self.remote_kv_buffer = torch.empty((self.size + self.page_size, 1, self.kv_cache_dim),
                                                     dtype=self.store_dtype, device=self.device)
                 self.pool_landing_allocations += 1
+                self.metrics.add("growth", "pool_landing", 1)
                 log.warning("layersplit: allocated the pool-sized landing buffer (%.3f GB) for a forward the "
                             "batch-sized landing does not cover", self.remote_kv_buffer.nbytes / 1e9)
             self.index_key_cache.ensure_pool_landing()
@@ -333,7 +353,7 @@ def make_pool_class(base: type | None = None, index_cache_base: type | None = No
             if "slot_wait" in self._unsafe_skip:  # UNSAFE: stress tests only
                 return
             if event is not None:  # hazard: read (or overwrite) the slot only after its broadcast completed
-                self.device_module.current_stream().wait_event(event)
+                self.metrics.timed_wait("broadcast", lambda: self.device_module.current_stream().wait_event(event))
 
         def _stage(self, slots: _Slots, layer_id: int, index: torch.Tensor, source: torch.Tensor, wait_loaded) -> None:
             """Broadcast rows ``index`` of the owner's ``source`` (its buffer of ``layer_id``) into the
@@ -365,7 +385,9 @@ def make_pool_class(base: type | None = None, index_cache_base: type | None = No
                 if "load_wait" not in self._unsafe_skip:
                     wait_loaded()
                 send()
-            self.broadcast_bytes["kv" if slots is self._kv else "index_prefix"] += staging.nbytes
+            part = "kv" if slots is self._kv else "index_prefix"
+            self.broadcast_bytes[part] += staging.nbytes
+            self.metrics.add("broadcast_bytes", part, staging.nbytes)
             slots.layer[slot] = layer_id
 
         def _has(self, slots: _Slots, layer_id: int) -> bool:
@@ -446,6 +468,7 @@ def make_pool_class(base: type | None = None, index_cache_base: type | None = No
 
             self._run(send_new, "index_broadcast")
             self.broadcast_bytes["index_new"] += staging.nbytes
+            self.metrics.add("broadcast_bytes", "index_new", staging.nbytes)
 
         # what SGLang calls --------------------------------------------------------------------
         def prefetch_kv_buffer(self, layer_id: int, layer_transfer_counter=None, layer_transfer_idx=None) -> None:
