@@ -250,6 +250,12 @@ def test_entry_point_registers_and_unregisters(monkeypatch, how):
     controller = importlib.import_module("sglang.srt.managers.cache_controller")  # imports two of them by name
     backend = compat.resolve("dsa_backend")
     init_md = backend.__dict__["init_forward_metadata"]
+    from sglang.srt.layers.cp import utils as cp_utils
+
+    landing_targets = {(backend, name): backend.__dict__[name] for name in
+                       ("forward_extend", "forward_decode", "get_indexer_metadata", "init_forward_metadata_out_graph")}
+    landing_targets[(cp_utils, "get_glm_dsa_layer_split_effective_num_layers")] = \
+        cp_utils.get_glm_dsa_layer_split_effective_num_layers
     index_cache = compat.resolve("index_key_cache")
     local_read = index_cache.__dict__["get_local_buffer"]
     server_args = importlib.import_module("sglang.srt.server_args").ServerArgs
@@ -272,6 +278,8 @@ def test_entry_point_registers_and_unregisters(monkeypatch, how):
         assert controller.LayerDoneCounter is getattr(modules["layer_done_counter"], "LayerDoneCounter")
         assert controller.L2TransferEngine is not classes["l2_transfer_engine"]
         assert backend.__dict__["init_forward_metadata"] is not init_md
+        for (owner, name), original in landing_targets.items():
+            assert vars(owner)[name] is not original, name
         assert index_cache.__dict__["get_local_buffer"] is not local_read
         parser = argparse.ArgumentParser()
         server_args.add_cli_args(parser)
@@ -288,6 +296,8 @@ def test_entry_point_registers_and_unregisters(monkeypatch, how):
     assert controller.LayerDoneCounter is classes["layer_done_counter"]
     assert controller.L2TransferEngine is classes["l2_transfer_engine"]
     assert backend.__dict__["init_forward_metadata"] is init_md
+    for (owner, name), original in landing_targets.items():
+        assert vars(owner)[name] is original, name
     assert index_cache.__dict__["get_local_buffer"] is local_read
     assert server_args.add_cli_args is add_cli_args
 
