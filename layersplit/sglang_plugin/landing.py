@@ -17,7 +17,9 @@ the pool remaps itself) and ``get_indexer_metadata`` (the indexer's per-layer vi
 tables; a fused top-k kernel turns its top-k into slot rows through it). Top-k positions in the
 ragged layout are offsets into the gathered rows, not pool addresses, and need nothing.
 
-Covered (``COVERED_IMPLS``): DSA prefill kernels that address the KV cache through those tables —
+Under prefill CP (``--cp-strategy interleave``) the backend keeps pool addresses in these tables and
+only selects each rank's rows (``page_table[bs_idx]``), and all-gathers the new latent rows before the
+write, so the remap applies unchanged. Covered (``COVERED_IMPLS``): DSA prefill kernels that address the KV cache through those tables —
 ``flashmla_sparse`` (SGLang's default on Hopper with bf16 KV, the prefill-CP configuration),
 ``flashmla_kv`` (its default on Hopper with fp8 KV), ``flashmla_sparse_q8``, ``triton_sparse_mla``,
 ``flashinfer_sparse_mla``, ``fa3``, ``tilelang``, ``triton``. Not covered, each with its logged reason
