@@ -7,6 +7,7 @@ abort tokens, page generations, engine batch ids, the request objects themselves
 first appearance, so two interleavings that reach the same state up to those names hash alike.
 :data:`FIELDS` classifies every attribute of every class a world holds, as *state* (hashed) or
 *ignored*; ``unclassified`` (run by a test) catches a new attribute nobody has classified yet.
+An invariant may read only hashed state: a revisit is pruned before it is checked.
 """
 
 from __future__ import annotations
@@ -156,7 +157,8 @@ def canonical(world) -> tuple:
     d = c.decode
     decode = (_pages(k, d.kv, d.kv.data, len(d.kv.overwrites)), tuple(k.obj(d.reqs[room]) for room in sorted(d.reqs)),
               tuple(k.obj(r) for r in d.queue), d._epoch,
-              tuple((tuple(sorted(e for e in w._open if e not in w._closed)), w._next) for w in d.watermarks))
+              tuple((tuple(sorted(e for e in w._open if e not in w._closed)), w._next) for w in d.watermarks),
+              d.stats["checksum_mismatches"])  # the one statistic an invariant reads
     prefills = tuple(
         (n.incarnation, n.alive, n.up, k.name("kv", id(n.kv)), _pages(k, n.kv, n.kv.content, len(n.kv.stale_reads)),
          tuple((room, k.obj(n.book.records[room])) for room in sorted(n.book.records)),
