@@ -1,6 +1,6 @@
 """``layersplit`` command line. Subcommands: ``plan`` (KV capacity per CP rank), ``prefill`` (CP engine),
 ``sweep`` (the 40k-120k throughput sweep), ``stress hicache|pd|sglang-hicache|sglang-pool``,
-``monitor replay|eval``,
+``monitor replay|eval``, ``check pd`` (every interleaving of the PD abort protocol at small bounds),
 ``gpu-check`` (the prepared GPU check)."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import threading
 
 from lsconfig.config_io import ConfigError
 from layersplit import __version__
-from layersplit.cli import gpu_check_cmd, monitor_cmd, options, plan_cmd, prefill_cmd, stress_cmd, sweep_cmd
+from layersplit.cli import check_cmd, gpu_check_cmd, monitor_cmd, options, plan_cmd, prefill_cmd, stress_cmd, sweep_cmd
 
 
 _int_at_least = options.int_at_least
@@ -28,6 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
     prefill_cmd.add_parser(sub, _int_at_least)
     sweep_cmd.add_parser(sub, _int_at_least)
     monitor_cmd.add_parser(sub, _int_at_least)
+    check_cmd.add_parser(sub, _int_at_least)
     gpu_check_cmd.add_parser(sub, _int_at_least)
     return parser
 

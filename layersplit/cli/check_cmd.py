@@ -1,0 +1,89 @@
+"""``layersplit check pd``: exhaustive model checking of the PD abort protocol at small bounds (``pd.check``):
+every interleaving of events, message deliveries, faults and cancels, over the protocol code the stress runs.
+
+Exit status: 0 no violation (and the bound explored completely, or stopped by --max-states/--timeout — the
+output says which), 1 a violation (the shortest counterexample is printed; ``--save`` writes it for
+``--replay``), 3 with an UNSAFE switch (``--legacy-immediate-release`` / ``--guard-off``) when no
+counterexample was found within the bounds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+
+from layersplit.cli import options
+
+
+def add_parser(sub: argparse._SubParsersAction, int_at_least) -> None:
+    from pd.guards import GUARDS
+
+    p = sub.add_parser("check", help="exhaustive protocol checks at small bounds")
+    which = p.add_subparsers(dest="target", required=True)
+    c = which.add_parser("pd", help="every interleaving of the PD abort protocol (explicit-state, breadth-first)")
+    c.add_argument("--prefill-ranks", type=int_at_least(1), default=2, help="LayerSplit prefill CP ranks (default 2)")
+    c.add_argument("--requests", type=int_at_least(1), default=2, help="request ids submitted (default 2)")
+    c.add_argument("--faults", type=int_at_least(0), default=2,
+                   help="fault budget: drop/duplicate/reorder a message, fail a write batch, crash a prefill (default 2)")
+    c.add_argument("--pages", type=int_at_least(1), default=1, help="decode pages per request (default 1)")
+    c.add_argument("--retries", type=int_at_least(0), default=1,
+                   help="router retries of an aborted request: same rid, new room (default 1)")
+    c.add_argument("--cancels", type=int_at_least(0), default=1, help="client cancels, at any moment (default 1)")
+    c.add_argument("--abort-sends", type=int_at_least(1), default=2, help="abort sends before quarantine (default 2)")
+    c.add_argument("--polls", type=int_at_least(0), default=1, help="decode poll re-sends per room (default 1)")
+    c.add_argument("--channel-capacity", type=int_at_least(1), default=2,
+                   help="messages in flight per endpoint pair explored (default 2)")
+    c.add_argument("--max-states", type=int_at_least(1), default=2_000_000, help="stop after this many states")
+    c.add_argument("--timeout", type=options.number_in(0, 1e9, low_open=True), default=600.0,
+                   help="stop after this many seconds (default 600)")
+    c.add_argument("--legacy-immediate-release", action="store_true",
+                   help="UNSAFE: check the pre-hardening protocol (free at abort): expect a counterexample")
+    c.add_argument("--guard-off", action="append", default=[], choices=sorted(GUARDS), metavar="GUARD",
+                   help=f"UNSAFE: switch one hardening guard off (repeatable): {', '.join(GUARDS)}")
+    c.add_argument("--save", default=None, metavar="FILE", help="write the counterexample (if any) as JSON")
+    c.add_argument("--replay", type=options.readable_file, default=None, metavar="FILE",
+                   help="replay a saved counterexample step by step instead of exploring (its bounds are used)")
+    c.add_argument("--json", action="store_true", help="print one JSON object")
+    c.set_defaults(func=run_pd)
+
+
+def run_pd(args: argparse.Namespace) -> int:
+    from pd.check import CheckBounds, format_trace, load_counterexample, replay, run_check, save_counterexample
+
+    if args.replay:
+        return _replay(args, load_counterexample, replay, format_trace)
+    if args.save and not os.access(Path(args.save).resolve().parent, os.W_OK):
+        raise ValueError(f"--save: expected a file in a writable folder, got {args.save!r}")  # before any work
+    bounds = CheckBounds(prefill_ranks=args.prefill_ranks, requests=args.requests, faults=args.faults,
+                         pages=args.pages, retries=args.retries, cancels=args.cancels, abort_sends=args.abort_sends,
+                         polls=args.polls, channel_capacity=args.channel_capacity, max_states=args.max_states,
+                         timeout_s=args.timeout, legacy=args.legacy_immediate_release, guards_off=tuple(args.guard_off))
+    result = run_check(bounds)
+    if args.save and result["counterexample"]:
+        save_counterexample(args.save, result)
+    if args.json:
+        print(json.dumps(result))
+    else:
+        for key in ("states", "depth", "transitions", "terminal_states", "pruned_by_channel_capacity", "seconds",
+                    "complete", "stopped", "violations"):
+            print(f"{key:<28} {result[key]}")
+        if result["counterexample"]:
+            print("shortest counterexample:\n" + format_trace(result["counterexample"]))
+    unsafe = args.legacy_immediate_release or args.guard_off
+    if unsafe:
+        return 0 if result["violations"] else 3
+    return 1 if result["violations"] else 0
+
+
+def _replay(args, load_counterexample, replay, format_trace) -> int:
+    bounds, trace, recorded = load_counterexample(args.replay)
+    outcome = replay(bounds, trace)
+    if args.json:
+        print(json.dumps({"bounds": bounds.to_dict(), "recorded": recorded, **outcome}))
+    else:
+        print(format_trace({"trace": trace[:outcome["steps"]], "violation": outcome["violation"]}))
+        if outcome["diverged"]:
+            print(f"diverged: step {outcome['steps'] + 1} is not possible any more: {outcome['diverged']}")
+    return 1 if outcome["violation"] else 0

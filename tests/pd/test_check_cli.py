@@ -1,0 +1,59 @@
+"""``layersplit check pd``: the bounds as flags (bad ones refused before any work, naming the flag), the
+result as JSON, a counterexample saved and replayed, and the exit codes of the safe and unsafe modes."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from layersplit.cli import main
+
+SMALL = ["check", "pd", "--prefill-ranks", "1", "--requests", "1", "--faults", "0", "--cancels", "0",
+         "--retries", "0", "--polls", "0", "--channel-capacity", "1"]
+
+
+def test_json_result_of_a_complete_check(capsys):
+    assert main(SMALL + ["--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["complete"] and result["violations"] == [] and result["states"] > 10 and result["depth"] > 5
+    assert result["bounds"]["prefill_ranks"] == 1 and "seconds" in result
+
+
+def test_legacy_counterexample_is_saved_and_replays(tmp_path, capsys):
+    ce = tmp_path / "legacy.json"
+    assert main(SMALL + ["--legacy-immediate-release", "--save", str(ce)]) == 0  # unsafe mode: finding it is success
+    out = capsys.readouterr().out
+    assert "shortest counterexample" in out and "VIOLATION freed_while_writing" in out
+    assert main(["check", "pd", "--replay", str(ce), "--json"]) == 1
+    replayed = json.loads(capsys.readouterr().out)
+    assert replayed["violation"] and replayed["diverged"] is None
+
+
+def test_guard_off_finds_its_counterexample(capsys):
+    assert main(SMALL + ["--guard-off", "sources-held-until-drained", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["violations"] == ["source_freed_while_writing"]
+
+
+def test_unsafe_mode_without_a_counterexample_exits_3(capsys):
+    assert main(SMALL + ["--guard-off", "free-by-owner-only", "--json"]) == 3
+
+
+def test_stopped_early_says_so(capsys):
+    assert main(SMALL + ["--max-states", "5", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert not result["complete"] and result["stopped"].startswith("max_states")
+
+
+@pytest.mark.parametrize("flag,value", [("--requests", "0"), ("--faults", "-1"), ("--prefill-ranks", "0"),
+                                        ("--pages", "0"), ("--abort-sends", "0"), ("--channel-capacity", "0"),
+                                        ("--max-states", "0"), ("--timeout", "0"), ("--guard-off", "nope")])
+def test_bad_input_names_the_flag(flag, value, capsys):
+    assert main(["check", "pd", flag, value]) == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]  # argparse's usage, then the one error line
+    assert last.startswith(f"layersplit check pd: error: argument {flag}")
+
+
+def test_save_into_a_missing_folder_is_refused_before_the_check(tmp_path, capsys):
+    assert main(SMALL + ["--save", str(tmp_path / "no" / "ce.json")]) == 2
+    assert "--save: expected a file in a writable folder" in capsys.readouterr().err
