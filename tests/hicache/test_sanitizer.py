@@ -124,7 +124,7 @@ def test_stress_is_clean_under_the_sanitizer():
     assert report.corrupted_outputs == 0 and report.outputs_checked >= 40
 
 
-@pytest.mark.parametrize("unsafe, reader", [("indexer", "dequantize_index_keys"), ("kv", "sparse_mla_prefill"),
+@pytest.mark.parametrize("unsafe, reader", [("indexer", "read_index_keys"), ("kv", "sparse_mla_prefill"),
                                             ("fence", "fill_pages")])
 def test_teeth_stress_unsafe_switch_reported_without_stalls(unsafe, reader):
     """Indexer (or attention) before the HiCache load, or a load into pages the previous forward
