@@ -33,8 +33,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from dsa_kernels import (gather_pages, indexer_scores, pack_mla_kv, positions_to_slots, quantize_index_keys,
-                         sparse_mla_prefill, topk_indices)
+from dsa_kernels import (gather_pages, indexer_topk, pack_mla_kv, positions_to_slots, quantize_index_keys,
+                         sparse_mla_prefill)
 from dsa_kernels.layout import PAGE_SIZE
 from hicache.host_pool import DSAHostPool
 from hicache.load_pipeline import LayerwiseLoader
@@ -231,8 +231,9 @@ class RankEngine:
                 self._wait(f"bcast_index[{layer}]", bcast.get("index"), layer)
             quantize_index_keys(rows[:, lat + rope:], rb.index, rb.new_slots)
             with self.tracer.span(f"indexer[{layer}]", layer=layer):
-                scores = indexer_scores(p.q_index, p.index_weights, rb.index, rb.table, req, pos, plan.max_ctx)
-                state["top"] = topk_indices(scores, self.topk)
+                # chunked: peak memory bounded by a block of context, not by new tokens x context
+                state["top"] = indexer_topk(p.q_index, p.index_weights, rb.index, rb.table, req, pos, plan.max_ctx,
+                                            self.topk)
         if loading:  # KV kept landing under the indexer
             self._wait(f"hicache_kv[{layer}]", load.kv_ready[layer], layer)
         elif not owner_here:
