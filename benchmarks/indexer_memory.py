@@ -120,12 +120,19 @@ def main(argv: list[str] | None = None) -> int:
     cuda = torch.cuda.is_available()
     scale = 1 if cuda else CPU_SCALE
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    from layersplit.cli.options import int_at_least
+
+    what = {"tokens": "new (query) tokens", "context": "context tokens", "topk": "top-k per query",
+            "chunk": "context columns scored per step of the chunked indexer",
+            "query_block": "queries per block of the chunked indexer"}
     for key, value in REAL.items():
-        p.add_argument("--" + key.replace("_", "-"), type=int, default=value // scale)
-    p.add_argument("--heads", type=int, default=32)
-    p.add_argument("--dim", type=int, default=128)
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--threads", type=int, default=1,
+        flags = ["--" + key.replace("_", "-")] + (["--context-len"] if key == "context" else [])
+        p.add_argument(*flags, dest=key, type=int_at_least(1), default=value // scale,
+                       help=f"{what.get(key, key)} (default {value // scale}: the real shape{'' if cuda else f' / {scale}'})")
+    p.add_argument("--heads", type=int_at_least(1, 256), default=32, help="indexer heads (default 32, GLM-5)")
+    p.add_argument("--dim", type=int_at_least(1, 1024), default=128, help="indexer head dim (default 128, GLM-5)")
+    p.add_argument("--repeats", type=int_at_least(1, 100), default=3, help="runs of each variant; the median is kept (default 3)")
+    p.add_argument("--threads", type=int_at_least(1, 1024), default=1,
                    help="CPU threads per run (1: on a shared machine every op otherwise pays a thread-pool wake-up)")
     args = p.parse_args(argv)
     sizes = {key: getattr(args, key) for key in REAL}
