@@ -34,3 +34,14 @@ def sanitized():
     with sanitizer.sanitized() as san:
         yield san
     assert not san.hazards, san.format()
+
+
+@pytest.fixture(autouse=True)
+def _layersplit_env_restored():
+    """No test leaks a ``LAYERSPLIT_*`` variable into later tests (rank processes inherit the
+    environment: a leaked ``LAYERSPLIT_SANITIZE=1`` would sanitize every later CP run)."""
+    before = {k: v for k, v in os.environ.items() if k.startswith("LAYERSPLIT_")}
+    yield
+    for key in [k for k in os.environ if k.startswith("LAYERSPLIT_") and k not in before]:
+        del os.environ[key]
+    os.environ.update(before)

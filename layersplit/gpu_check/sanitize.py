@@ -74,13 +74,20 @@ def _stress(loads: int, on_cuda: bool) -> dict:
 def run_checks(context: int, loads: int, timeout_s: float) -> dict:
     """The three checks in this process (CSAN when ``TORCH_CUDA_SANITIZER=1`` set it up at import)."""
     on_cuda = torch.cuda.is_available()
-    if on_cuda:
-        os.environ["LAYERSPLIT_CP_BACKEND"] = "gloo"  # two ranks on this one GPU
-    else:
-        os.environ["LAYERSPLIT_SANITIZE"] = "1"
-    out = {"sanitizer": "torch CUDA sanitizer (CSAN)" if on_cuda else "hicache.sanitizer (emulated streams)",
-           "stress": _stress(loads, on_cuda), "engine_cp2": _engine(context, frozenset(), timeout_s),
-           "engine_cp2_without_compute_wait": _engine(context, frozenset({"compute_wait"}), timeout_s)}
+    # two ranks on this one GPU (CUDA) / the emulated-runtime sanitizer in the rank processes (CPU);
+    # set for these runs only: the variable is inherited by every process started later
+    key, value = ("LAYERSPLIT_CP_BACKEND", "gloo") if on_cuda else ("LAYERSPLIT_SANITIZE", "1")
+    previous = os.environ.get(key)
+    os.environ[key] = value
+    try:
+        out = {"sanitizer": "torch CUDA sanitizer (CSAN)" if on_cuda else "hicache.sanitizer (emulated streams)",
+               "stress": _stress(loads, on_cuda), "engine_cp2": _engine(context, frozenset(), timeout_s),
+               "engine_cp2_without_compute_wait": _engine(context, frozenset({"compute_wait"}), timeout_s)}
+    finally:
+        if previous is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = previous
     out["passed"] = (out["stress"]["hazards"] == 0 and out["engine_cp2"]["hazards"] == 0
                      and out["engine_cp2"].get("max_rel_deviation", 1.0) <= 1e-4
                      and bool(out["engine_cp2_without_compute_wait"]["hazards"]))
