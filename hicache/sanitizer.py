@@ -384,8 +384,12 @@ class Sanitizer:
             if overlap and prev.agent != acc.agent and (acc.write or prev.write) and prev.seq > state.get(prev.agent, 0):
                 self._report("write-write" if prev.write and acc.write else "read-write", prev, acc)
             covered = prev.start >= acc.start and prev.end <= acc.end
-            if covered and (self._settled(prev) if acc.write else prev.agent == acc.agent and not prev.write):
-                continue  # no later access can conflict with it without also conflicting with ``acc``
+            if covered and (self._settled(prev) if acc.write else prev.agent == acc.agent and not prev.write
+                            and prev.where == acc.where and prev.op == acc.op):
+                # no later access can conflict with it without also conflicting with ``acc``; a read from
+                # another site is kept, or which sites a later write is reported against would depend on
+                # whether it ran before or after the second read
+                continue
             keep.append(prev)
         keep.append(acc)
         hist.accesses = keep
