@@ -7,6 +7,7 @@ in its own (``pd.check.choice_channel``), where every delivery and every fault i
 from __future__ import annotations
 
 import random
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Callable
 
@@ -29,7 +30,7 @@ class ChannelFaults:
             raise ValueError(f"delays: expected 0 <= min_delay_s <= max_delay_s, got {self.min_delay_s}, {self.max_delay_s}")
 
 
-class Channel:
+class Channel(ABC):
     """Endpoints by name; ``send`` is the subclass's, ``_deliver`` hands a message to its endpoint."""
 
     def __init__(self) -> None:
@@ -39,8 +40,9 @@ class Channel:
     def register(self, endpoint: str, handler: Callable) -> None:
         self._handlers[endpoint] = handler
 
+    @abstractmethod
     def send(self, src: str, dst: str, msg: object) -> None:
-        raise NotImplementedError
+        """Deliver ``msg`` from ``src`` to ``dst`` (each subclass decides how and when)."""
 
     def _deliver(self, dst: str, msg: object) -> None:
         self.stats["delivered"] += 1
