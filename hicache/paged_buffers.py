@@ -68,8 +68,9 @@ class PagedDSABuffers:
         kv_shape = (num_pages * PAGE_SIZE, spec.kv_row_bytes // 2 if bf16 else spec.kv_row_bytes)
 
         def buffer(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-            t = torch.zeros(shape, dtype=dtype, device=self.device)
-            return t.pin_memory() if pin_memory else t
+            # allocated pinned, not pinned after: ``.pin_memory()`` copies, so for a moment the host
+            # holds the buffer twice (a GLM-5 host tier is hundreds of GB)
+            return torch.zeros(shape, dtype=dtype, device=self.device, pin_memory=pin_memory)
 
         self.kv = {layer: buffer(kv_shape, torch.bfloat16 if bf16 else torch.uint8) for layer in self.layers}
         self.index = {layer: buffer((num_pages, spec.index_page_bytes), torch.uint8)

@@ -24,6 +24,8 @@ on CUDA the current stream; emulated, an :class:`InlineStream` whose ops the hos
 inside ``with compute.active():``. Its ``wait_event`` blocks the host on CPU, but it orders only the
 compute stream, as on a GPU. Under the stream sanitizer (:mod:`hicache.sanitizer`) every op,
 record, wait and synchronize here feeds the happens-before clocks at the moment the stream reaches it.
+The CUDA runtime does not feed it (CSAN, ``TORCH_CUDA_SANITIZER=1``, is the GPU's sanitizer): making
+a CUDA runtime, or giving its streams work, while the sanitizer is on raises (:data:`BLIND_SANITIZER`).
 """
 
 from __future__ import annotations
@@ -260,11 +262,24 @@ class EmulatedRuntime:
         self._streams.clear()
 
 
+BLIND_SANITIZER = ("LAYERSPLIT_SANITIZE=1: the stream sanitizer models the emulated runtime only; got a CUDA "
+                   "runtime, whose streams and events never feed it (it would report 0 hazards having seen none) "
+                   "- run on the emulated runtime (a CPU), or use PyTorch's CUDA sanitizer (TORCH_CUDA_SANITIZER=1)")
+
+
+def refuse_blind_sanitizer() -> None:
+    """Raise if the stream sanitizer is on: it cannot see CUDA streams, so it must never say "clean"
+    about a CUDA run. Called where the CUDA runtime is made and where its streams take work."""
+    if sanitizer.current() is not None:
+        raise ValueError(BLIND_SANITIZER)
+
+
 class CudaEvent:
     def __init__(self, enable_timing: bool = False) -> None:
         self._event = torch.cuda.Event(enable_timing=enable_timing)
 
     def record(self, stream: "CudaStream") -> None:
+        refuse_blind_sanitizer()  # a sanitizer enabled after the runtime was made
         self._event.record(stream.raw)
 
     def query(self) -> bool:
@@ -289,6 +304,7 @@ class CudaStream:
             yield
 
     def submit(self, fn: Callable[[], object], name: str = "op") -> None:
+        refuse_blind_sanitizer()  # a sanitizer enabled after the runtime was made
         delay = self._runtime.delay_hook(self.name, name) if self._runtime.delay_hook else 0.0
         with torch.cuda.stream(self.raw):
             if delay > 0:
@@ -309,6 +325,7 @@ class CudaRuntime:
     kind = "cuda"
 
     def __init__(self, device: int | None = None) -> None:
+        refuse_blind_sanitizer()  # before any CUDA work: LAYERSPLIT_SANITIZE=1 must not pass a CUDA run
         self.device = torch.device("cuda", torch.cuda.current_device() if device is None else device)
         self.delay_hook: DelayHook | None = None
         # torch.cuda._sleep spins for a number of clock cycles; ~1.5e9 cycles/s is an H100/H200-class
