@@ -33,7 +33,7 @@ NVLink efficiency 380/450 — DESIGN.md section 2 (measured ~380 GB/s of 450 per
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from dsa_kernels.layout import PAGE_SIZE
 from layersplit.plan.capacity import ModeBytes
@@ -79,6 +79,11 @@ class CostModel:
         self.owner = {layer: r for r, held in enumerate(mb.held_layers) for layer in held} if mb.broadcast else {}
         self.pool_rows = pages_rows(pool_tokens)
         self.reload_bw = hw.reload_bandwidth(cp)
+        # per-layer constants, computed once (``has_indexer`` rebuilds the indexer-layer set per call)
+        self.indexer = [model.has_indexer(layer) for layer in range(model.num_layers)]
+        self.attn_params = [model.attention_params(layer) for layer in range(model.num_layers)]
+        self.mlp_params = [model.mlp_params(layer, active=True) for layer in range(model.num_layers)]
+        self._memo: dict[tuple, BatchCost] = {}  # a batch's cost depends only on its (prefix, tokens, tier) list
 
     def _gemm_s(self, flops: float, rows: float) -> float:
         e = self.eff.gemm_max * rows / (rows + self.eff.gemm_half_rows)
@@ -98,11 +103,11 @@ class CostModel:
         for layer in range(m.num_layers):
             rows = moe_rows if layer >= m.first_k_dense else new / cp
             times.append({
-                "pre": self._gemm_s(2 * m.attention_params(layer) * new / cp, new / cp)
+                "pre": self._gemm_s(2 * self.attn_params[layer] * new / cp, new / cp)
                        + new * self.per_layer[layer] * (cp - 1) / cp / nv,  # + all-gather of the new rows
-                "indexer": indexer_s if m.has_indexer(layer) else 0.0,
+                "indexer": indexer_s if self.indexer[layer] else 0.0,
                 "attention": attn_s,
-                "mlp": self._gemm_s(2 * m.mlp_params(layer, active=True) * new / cp, rows),
+                "mlp": self._gemm_s(2 * self.mlp_params[layer] * new / cp, rows),
             })
         return times
 
@@ -137,7 +142,7 @@ class CostModel:
             idx_ready = kv_ready = loaded
             if owner != r and rows:
                 idx_ready, kv_ready = self._bcast_ready(layer, rows, t, issue, loaded)
-            steps = ([(idx_ready, ts["indexer"])] if self.m.has_indexer(layer) else []) + [(kv_ready, ts["attention"])]
+            steps = ([(idx_ready, ts["indexer"])] if self.indexer[layer] else []) + [(kv_ready, ts["attention"])]
             for ready, work in steps:  # the indexer waits for its keys, attention for the KV
                 wait = max(0.0, ready - t)
                 bcast, reload = (bcast + wait, reload) if owner != r else (bcast, reload + wait)
@@ -147,6 +152,13 @@ class CostModel:
         return t, bcast, reload
 
     def batch(self, batch: Batch) -> BatchCost:
+        """The batch's cost; batches with the same (prefix, tokens, tier) list share one (memoised)."""
+        key = tuple((s.req.prefix, s.prefill_tokens, s.tier) for s in batch.served)
+        if key not in self._memo:
+            self._memo[key] = self._batch(batch)
+        return replace(self._memo[key])
+
+    def _batch(self, batch: Batch) -> BatchCost:
         cp = self.cp
         reqs = [(s.req.prefix if s.tier != "miss" else 0, s.prefill_tokens, s.tier) for s in batch.served]
         reload_rows = sum(pages_rows(p) for p, _, tier in reqs if tier == "L2")

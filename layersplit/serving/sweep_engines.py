@@ -8,14 +8,9 @@
 
 from __future__ import annotations
 
-import torch
-
-from layersplit.engine.batch_plan import Request
-from layersplit.plan.config import ModelConfig
 from dsa_kernels.layout import PAGE_SIZE
+from layersplit.plan.config import ModelConfig
 from layersplit.serving.cost_model import BatchCost, CostModel
-from layersplit.engine.engine import EngineConfig
-from layersplit.engine.launcher import Scenario, run_cp
 from layersplit.serving.serving import Batch
 
 
@@ -25,7 +20,13 @@ class RealEngine:
     def __init__(self, model: ModelConfig, cp: int, kv_dtype: str, seed: int) -> None:
         self.model, self.cp, self.kv_dtype, self.seed = model, cp, kv_dtype, seed
 
-    def _scenario(self, i: int, batch: Batch, mode: str) -> Scenario:
+    def _scenario(self, i: int, batch: Batch, mode: str):
+        import torch  # the real engine's imports are heavy: the model engine does not need them
+
+        from layersplit.engine.batch_plan import Request
+        from layersplit.engine.engine import EngineConfig
+        from layersplit.engine.launcher import Scenario
+
         g = torch.Generator().manual_seed(self.seed * 7919 + i)
         reqs = []
         for s in batch.served:
@@ -39,6 +40,8 @@ class RealEngine:
 
     def run(self, batches: list[Batch], mode: str, repeats: int = 1) -> list[list[BatchCost]]:
         """Each repeat of every batch, in one spawn of the rank processes (repeat-major)."""
+        from layersplit.engine.launcher import run_cp
+
         scenarios = [self._scenario(i, b, mode) for i, b in enumerate(batches)]
         results = run_cp(self.model, scenarios * repeats, self.cp)
         costs = [BatchCost(r.seconds, max(x.bcast_wait_s for x in r.ranks), max(x.reload_bytes for x in r.ranks),

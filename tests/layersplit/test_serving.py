@@ -85,3 +85,22 @@ def test_real_and_model_agree_on_counted_values():
         model = ModelEngine({mode: CostModel(tiny, load_hardware("cpu"), 2, "bf16", mb)}).run(batches, mode)[0]
         for r, m in zip(real, model):
             assert (r.reload_bytes_per_rank, r.bcast_bytes) == (m.reload_bytes_per_rank, m.bcast_bytes)
+
+
+def test_memoised_costs_equal_fresh_ones():
+    """The cost model memoises a batch's cost by its (prefix, tokens, tier) list: every batch of a
+    modelled sweep point costs exactly what a fresh, unmemoised computation gives."""
+    from layersplit.serving.sweep import plan_point, setup
+    from layersplit.serving.sweep_config import load_sweep
+    from dataclasses import replace as dc_replace
+
+    s = setup(dc_replace(load_sweep("glm5-h200"), sessions=16, requests=96))
+    for mode in ("redundant", "layersplit"):
+        mb, cap, _, batches = plan_point(s, 120000, mode)
+        model = CostModel(s.model, s.hw, 8, "bf16", mb, pool_tokens=cap.l1_tokens)
+        memo = [model.batch(b) for b in batches]
+        assert len(model._memo) < len(batches)  # repeated batch shapes were reused
+        fresh = CostModel(s.model, s.hw, 8, "bf16", mb, pool_tokens=cap.l1_tokens)
+        assert memo == [fresh._batch(b) for b in batches]
+        memo[0].seconds = -1.0  # callers get copies: the memo cannot be corrupted
+        assert model.batch(batches[0]).seconds > 0
