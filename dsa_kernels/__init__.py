@@ -12,6 +12,8 @@ Byte layouts: ``dsa_kernels.layout``. Example::
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 
 from dsa_kernels.dispatch import resolve
@@ -57,14 +59,53 @@ def indexer_scores(q, weights, index_cache, page_table, req_idx, positions, max_
     return fn(q, weights, index_cache, page_table, req_idx, positions, max_context)
 
 
+def query_block_extents(positions: torch.Tensor | Sequence[int], max_context: int,
+                        query_block: int = DEFAULT_QUERY_BLOCK) -> list[int]:
+    """Per block of ``query_block`` query rows, ``min(max position in the block + 1, max_context)``:
+    the ``block_extents`` of ``indexer_topk``, computed on the host from host positions (a CPU tensor
+    or a list, e.g. the batch plan's), so the per-layer call needs no device read.
+
+    Example: ``query_block_extents([5, 9, 2, 70], 64, query_block=2) == [10, 64]``.
+    """
+    if isinstance(positions, torch.Tensor):
+        if positions.device.type != "cpu":
+            raise ValueError(f"positions: expected a host (CPU) tensor or a list, got device {positions.device} "
+                             "(reading it here would be a host sync)")
+        positions = positions.reshape(-1).tolist()  # host memory: no device sync
+    if query_block < 1:
+        raise ValueError(f"query_block: expected >= 1, got {query_block}")
+    rows = list(positions)
+    return [min(max(rows[i:i + query_block]) + 1, max_context) for i in range(0, len(rows), query_block)]
+
+
+def _check_extents(block_extents: Sequence[int], t_count: int, query_block: int, max_context: int) -> list[int]:
+    """Host-only checks of given extents (count and range; their values cannot be checked against
+    the device positions without the sync they exist to avoid)."""
+    want = -(-t_count // query_block)
+    extents = list(block_extents)
+    if len(extents) != want:
+        raise ValueError(f"block_extents: expected {want} entries (ceil({t_count} query rows / query_block "
+                         f"{query_block})), got {len(extents)}")
+    bad = [e for e in extents if not 0 <= e <= max_context]
+    if bad:
+        raise ValueError(f"block_extents: expected values in [0, max_context={max_context}], got {bad[:4]}")
+    return extents
+
+
 def indexer_topk(q, weights, index_cache, page_table, req_idx, positions, max_context: int, topk: int = 2048,
-                 *, chunk: int = DEFAULT_CHUNK, query_block: int = DEFAULT_QUERY_BLOCK) -> torch.Tensor:
+                 *, chunk: int = DEFAULT_CHUNK, query_block: int = DEFAULT_QUERY_BLOCK,
+                 block_extents: Sequence[int] | None = None) -> torch.Tensor:
     """Top-``topk`` context positions per query ``[T, topk]`` int32, -1 padded, ties to the lower position.
 
     Chunked: per block of ``query_block`` queries, scores for ``chunk`` context columns at a time,
     merged into a running top-k (``topk_merge``), so the peak is ``query_block x (topk + chunk)``
     scores, not ``T x max_context``. A block stops at its last visible column (causal). Same index
-    sets as ``topk_indices(indexer_scores(...))``. One host sync per call (the blocks' extents).
+    sets as ``topk_indices(indexer_scores(...))``.
+
+    ``block_extents``: each block's last visible column + 1 (``query_block_extents`` computes them
+    on the host from the batch plan's positions). Given, the call reads nothing back from the
+    device; None: they are computed from ``positions`` on the device and read back, **one host
+    sync per call** (a blocking device-to-host copy on a GPU).
     """
     if chunk < 1 or query_block < 1:
         raise ValueError(f"chunk, query_block: expected >= 1, got {chunk}, {query_block}")
@@ -72,16 +113,20 @@ def indexer_topk(q, weights, index_cache, page_table, req_idx, positions, max_co
     scores_fn = resolve("indexer_scores", dev)[1]
     merge_fn = resolve("topk_merge", dev)[1]
     t_count = q.shape[0]
+    if block_extents is not None:
+        extents = _check_extents(block_extents, t_count, query_block, max_context)
     out = torch.full((t_count, topk), -1, dtype=torch.int32, device=dev)
     if t_count == 0 or topk == 0:
         return out
-    block_ends = positions.long().split(query_block)
-    extents = torch.stack([p.max() for p in block_ends]).add(1).clamp(max=max_context).tolist()
+    if block_extents is None:  # the host sync the docstring names
+        blocks = positions.long().split(query_block)
+        extents = torch.stack([p.max() for p in blocks]).add(1).clamp(max=max_context).tolist()
     for i, extent in enumerate(extents):
-        rows = slice(i * query_block, (i + 1) * query_block)
+        rows = slice(i * query_block, min((i + 1) * query_block, t_count))
+        n_rows = rows.stop - rows.start
         q_fp8, w = quantize_index_q(q[rows], weights[rows])  # once per block: every chunk reuses it
-        best = torch.empty(len(block_ends[i]), 0, dtype=torch.float32, device=dev)
-        best_idx = torch.empty(len(block_ends[i]), 0, dtype=torch.int32, device=dev)
+        best = torch.empty(n_rows, 0, dtype=torch.float32, device=dev)
+        best_idx = torch.empty(n_rows, 0, dtype=torch.int32, device=dev)
         for s0 in range(0, extent, chunk):
             scores = scores_fn(q_fp8, w, index_cache, page_table, req_idx[rows], positions[rows],
                                min(s0 + chunk, extent), s0)
@@ -119,6 +164,6 @@ def scatter_pages(packed: torch.Tensor, pages: torch.Tensor, page_ids: torch.Ten
 
 __all__ = [
     "quantize_index_keys", "dequantize_index_keys", "pack_mla_kv", "unpack_mla_kv", "hadamard_rotate",
-    "quantize_index_q", "indexer_scores", "indexer_topk", "topk_indices", "topk_slots", "positions_to_slots",
+    "quantize_index_q", "indexer_scores", "indexer_topk", "query_block_extents", "topk_indices", "topk_slots", "positions_to_slots",
     "sparse_mla_prefill", "gather_pages", "scatter_pages",
 ]

@@ -8,17 +8,34 @@ torch reference: the Triton interpreter is for kernel tests, not for runs.
 ``OPS`` have a Triton kernel and a torch reference; ``TOPK_OPS`` (selection) have a torch reference
 and, on CUDA, FlashInfer's top-k as their vendor tier (asking for "triton" gives the reference).
 A vendor op still checks each call and falls back by itself (``dsa_kernels.vendor``).
+
+Two things wrap every resolved function, so they hold on whichever backend runs:
+
+* **One input contract** (``dsa_kernels.contract``): the torch and vendor functions are checked
+  here before they run; a Triton launcher calls the same check itself. A CPU test on the torch
+  reference therefore refuses what the GPU path's kernels refuse, with the same message.
+* **Interpreted Triton launches are serialized.** Under ``TRITON_INTERPRET=1`` the interpreter
+  keeps its grid and its patched ``tl`` builtins in process-global state, so two emulated streams
+  (threads) interpreting kernels at once collide (``InterpreterError('x >= grid_dim[0]')`` or a
+  silently wrong program id). Every Triton op then runs under one process-wide lock. No lock on a
+  real GPU, where launches are asynchronous and independent. ``UNSAFE_UNLOCKED_INTERPRETER``
+  (tests only) turns the lock off, so the concurrency test can show the collision it prevents.
 """
 
 from __future__ import annotations
 
 import functools
 import importlib
+import threading
 from typing import Callable
 
 import torch
 
+from dsa_kernels import contract
 from lsconfig import envs
+
+UNSAFE_UNLOCKED_INTERPRETER = False  # documented unsafe switch (tests only): True drops the interpreter lock
+INTERPRETER_LOCK = threading.RLock()  # held by every interpreted Triton launch (reentrant: a launcher may nest)
 
 OPS = {
     # op name -> module that holds it under dsa_kernels.reference / dsa_kernels.triton_ops
@@ -46,6 +63,39 @@ def _load(backend: str, op: str) -> Callable:
     return getattr(importlib.import_module(f"dsa_kernels.{package}.{(OPS | TOPK_OPS)[op]}"), op)
 
 
+def _checked(op: str, fn: Callable) -> Callable:
+    """``fn`` behind the op's contract (torch and vendor backends; Triton launchers check themselves)."""
+    check = contract.CHECKS.get(op)
+    if check is None:  # the top-k selections: torch reference or FlashInfer, no kernel contract
+        return fn
+
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        check(*args, **kwargs)
+        return fn(*args, **kwargs)
+
+    return run
+
+
+def _interpreter_locked(fn: Callable) -> Callable:
+    """``fn`` under ``INTERPRETER_LOCK`` (the Triton interpreter's state is process-global)."""
+
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        if UNSAFE_UNLOCKED_INTERPRETER:
+            return fn(*args, **kwargs)
+        with INTERPRETER_LOCK:
+            return fn(*args, **kwargs)
+
+    return run
+
+
+def _wrap(backend: str, op: str, fn: Callable) -> Callable:
+    if backend != "triton":
+        return _checked(op, fn)
+    return _interpreter_locked(fn) if envs.triton_interpret() else fn
+
+
 def resolve(op: str, device: torch.device | str, backend: str | None = None) -> tuple[str, Callable]:
     """Return ``(backend_name, function)`` for ``op`` on ``device`` (cached per op/device type/choice)."""
     return _resolve(op, torch.device(device).type, backend or envs.kernel_backend())
@@ -58,14 +108,14 @@ def _resolve(op: str, device_type: str, choice: str) -> tuple[str, Callable]:
     on_cuda = device_type == "cuda"
     if choice == "vendor":
         if op in _vendor_ops() and on_cuda:
-            return "vendor", _vendor_ops()[op]
+            return "vendor", _wrap("vendor", op, _vendor_ops()[op])
         choice = "auto"  # ops without a vendor kernel use the next tier
     if choice == "auto":
         if on_cuda and op in _vendor_ops():
-            return "vendor", _vendor_ops()[op]
+            return "vendor", _wrap("vendor", op, _vendor_ops()[op])
         choice = "triton" if on_cuda else "torch"
     if choice not in ("triton", "torch"):
         raise ValueError(f"backend: expected one of {envs.KERNEL_BACKENDS}, got {choice!r}")
     if op in TOPK_OPS:
         choice = "torch"  # no Triton top-k: the reference's sort is the non-vendor tier
-    return choice, _load(choice, op)
+    return choice, _wrap(choice, op, _load(choice, op))

@@ -7,13 +7,15 @@ import torch
 
 from dsa_kernels.layout import AMAX_FLOOR, FP8_DTYPE, FP8_MAX, PAGE_SIZE, index_head_dim_of
 
-# fp32(1 / 448): DeepSeek multiplies the amax by this rounded reciprocal, it does not divide by 448
-FP8_MAX_INV = torch.tensor(1.0 / FP8_MAX, dtype=torch.float32)
+# fp32(1 / 448): DeepSeek multiplies the amax by this rounded reciprocal, it does not divide by 448.
+# A Python float holding that fp32 value exactly: an fp32 tensor times it computes in fp32 with this
+# very factor, on any device, with no per-call host-to-device copy of a constant tensor.
+FP8_MAX_INV = torch.tensor(1.0 / FP8_MAX, dtype=torch.float32).item()
 
 
 def ue8m0_scale(amax: torch.Tensor) -> torch.Tensor:
     """``2 ** ceil(log2(max(amax, 1e-4) * fp32(1/448)))`` in fp32 (a power of two; see ``layout``)."""
-    x = amax.float().clamp_min(AMAX_FLOOR) * FP8_MAX_INV.to(amax.device)
+    x = amax.float().clamp_min(AMAX_FLOOR) * FP8_MAX_INV
     mant, exp = torch.frexp(x)  # x = mant * 2**exp, mant in [0.5, 1): an exact power of two has mant 0.5
     return torch.ldexp(torch.ones_like(x), torch.where(mant == 0.5, exp - 1, exp))
 

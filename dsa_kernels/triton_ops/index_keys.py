@@ -6,9 +6,10 @@ import torch
 import triton
 import triton.language as tl
 
-from dsa_kernels.layout import AMAX_FLOOR, FP8_DTYPE, FP8_MAX, PAGE_SIZE, index_head_dim_of
-from dsa_kernels.triton_ops.checks import FLOAT_DTYPES, INDEX_DTYPES, check_len, check_tensor
+from dsa_kernels import contract
+from dsa_kernels.layout import AMAX_FLOOR, FP8_DTYPE, FP8_MAX, PAGE_SIZE
 from dsa_kernels.triton_ops.offsets import as_offset, wide
+from dsa_kernels.triton_ops.rounding import round_to_e4m3
 
 
 @triton.jit
@@ -33,8 +34,9 @@ def _quantize_index_keys_kernel(
     # 1. per-token power-of-two scale from the fp32 amax
     x = tl.load(keys_ptr + row * stride_keys + d, mask=dmask, other=0.0).to(tl.float32)  # [BLOCK_D]
     scale = ue8m0_scale(tl.max(tl.abs(x), axis=0), FMAX, FLOOR)
-    # 2. IEEE division (exact here: the scale is a power of two), saturated like the reference
-    y = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -FMAX), FMAX)
+    # 2. IEEE division (exact here: the scale is a power of two), saturated like the reference and
+    #    rounded onto the e4m3 grid here, so the cast below is exact on any converter (rounding.py)
+    y = round_to_e4m3(tl.math.div_rn(x, scale), FMAX)
     # 3. key bytes at page * page_bytes + off * D, scale at page * page_bytes + PAGE * D + 4 * off
     slot = tl.load(slots_ptr + row).to(tl.int64)
     page, off = slot // PAGE, slot % PAGE
@@ -59,20 +61,9 @@ def _dequantize_index_keys_kernel(
     tl.store(out_ptr + row * D + d, k * scale, mask=dmask)
 
 
-def _check_cache(index_cache: torch.Tensor, slots: torch.Tensor) -> int:
-    d = index_head_dim_of(index_cache)
-    check_tensor("index_cache", index_cache, dim=2, dtypes=(torch.uint8,), device=index_cache.device)
-    check_tensor("slots", slots, dim=1, dtypes=INDEX_DTYPES, device=index_cache.device)
-    return d
-
-
 def quantize_index_keys(keys: torch.Tensor, index_cache: torch.Tensor, slots: torch.Tensor) -> None:
     """Write ``keys [n, D]`` (fp32/bf16/fp16) as e4m3 + fp32 scale into ``index_cache`` at ``slots [n]``."""
-    d = _check_cache(index_cache, slots)
-    check_tensor("keys", keys, dim=2, dtypes=FLOAT_DTYPES, device=index_cache.device)
-    if keys.shape[1] != d:
-        raise ValueError(f"keys: expected head dim {d} (from index_cache page size), got {keys.shape[1]}")
-    check_len("slots", slots, keys.shape[0], "one slot per key")
+    d = contract.quantize_index_keys(keys, index_cache, slots)
     if keys.shape[0] == 0:
         return
     _quantize_index_keys_kernel[(keys.shape[0],)](
@@ -84,7 +75,7 @@ def quantize_index_keys(keys: torch.Tensor, index_cache: torch.Tensor, slots: to
 
 def dequantize_index_keys(index_cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     """Read the keys at ``slots [n]`` as fp32 ``[n, D]``."""
-    d = _check_cache(index_cache, slots)
+    d = contract.dequantize_index_keys(index_cache, slots)
     out = torch.empty(slots.shape[0], d, dtype=torch.float32, device=index_cache.device)
     if slots.shape[0]:
         _dequantize_index_keys_kernel[(slots.shape[0],)](

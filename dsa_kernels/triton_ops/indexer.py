@@ -13,9 +13,9 @@ import torch
 import triton
 import triton.language as tl
 
-from dsa_kernels.layout import FP8_DTYPE, PAGE_SIZE, index_head_dim_of
+from dsa_kernels import contract
+from dsa_kernels.layout import FP8_DTYPE, PAGE_SIZE
 from dsa_kernels.reference.indexer import _as_quantized
-from dsa_kernels.triton_ops.checks import FLOAT_DTYPES, INDEX_DTYPES, check_len, check_tensor
 from dsa_kernels.triton_ops.offsets import as_offset, wide
 from lsconfig import envs
 
@@ -54,23 +54,6 @@ def _indexer_scores_kernel(
     tl.store(out_ptr + t * stride_ot + j, score, mask=s < s_end)
 
 
-def _check(q, weights, index_cache, page_table, req_idx, positions) -> int:
-    dev = index_cache.device
-    d = index_head_dim_of(index_cache)
-    check_tensor("q", q, dim=3, dtypes=FLOAT_DTYPES + (FP8_DTYPE,), device=dev)
-    t_count, heads, qd = q.shape
-    if qd != d or d & (d - 1) or d < 16:
-        raise ValueError(f"q: expected head dim {d} (from index_cache), a power of 2 >= 16; got {qd}")
-    check_tensor("weights", weights, dim=2, dtypes=FLOAT_DTYPES, device=dev)
-    if tuple(weights.shape) != (t_count, heads):
-        raise ValueError(f"weights: expected shape {[t_count, heads]}, got {list(weights.shape)}")
-    check_tensor("page_table", page_table, dim=2, dtypes=INDEX_DTYPES, device=dev)
-    for name, t in (("req_idx", req_idx), ("positions", positions)):
-        check_tensor(name, t, dim=1, dtypes=INDEX_DTYPES, device=dev)
-        check_len(name, t, t_count, "one per query row")
-    return d
-
-
 def indexer_scores(
     q: torch.Tensor,
     weights: torch.Tensor,
@@ -83,12 +66,7 @@ def indexer_scores(
 ) -> torch.Tensor:
     """fp32 ``[T, max_context - s_start]`` scores of columns ``[s_start, max_context)``, ``-inf`` where
     ``s > positions[t]``; arguments as the reference (raw or already quantized ``q``)."""
-    d = _check(q, weights, index_cache, page_table, req_idx, positions)
-    if max_context > page_table.shape[1] * PAGE_SIZE:
-        raise ValueError(
-            f"max_context: expected <= {page_table.shape[1] * PAGE_SIZE} (page_table width), got {max_context}")
-    if not 0 <= s_start <= max_context:
-        raise ValueError(f"s_start: expected in [0, max_context={max_context}], got {s_start}")
+    d = contract.indexer_scores(q, weights, index_cache, page_table, req_idx, positions, max_context, s_start)
     q_fp8, w = _as_quantized(q, weights)
     w = w.contiguous()
     t_count, heads = q_fp8.shape[:2]

@@ -6,9 +6,10 @@ import torch
 import triton
 import triton.language as tl
 
-from dsa_kernels.layout import FP8_DTYPE, FP8_MAX, FP8_TILE, kv_dtype_of, mla_row_bytes
-from dsa_kernels.triton_ops.checks import FLOAT_DTYPES, INDEX_DTYPES, check_len, check_tensor
+from dsa_kernels import contract
+from dsa_kernels.layout import FP8_DTYPE, FP8_MAX, FP8_TILE, kv_dtype_of
 from dsa_kernels.triton_ops.offsets import as_offset, wide
+from dsa_kernels.triton_ops.rounding import round_to_bf16, round_to_e4m3
 
 
 @triton.jit
@@ -26,22 +27,25 @@ def _pack_mla_kv_kernel(
         # 1. latent: one scale per TILE elements, bytes [0, L)
         tile = tl.arange(0, N_TILES)[:, None] * TILE + tl.arange(0, TILE)[None, :]  # [N_TILES, TILE]
         x = tl.load(kv_c_ptr + i * stride_c + tile).to(tl.float32)
-        scale = tl.max(tl.abs(x), axis=1) / FMAX  # [N_TILES]
+        # IEEE divisions (not the approximate div.full.f32 of `/`) so GPU bytes equal the torch
+        # reference's, for the scale as for the scaled values
+        scale = tl.math.div_rn(tl.max(tl.abs(x), axis=1), tl.full([N_TILES], FMAX, tl.float32))  # [N_TILES]
         safe = tl.where(scale > 0, scale, 1.0)
-        # IEEE division (not the approximate div.full.f32 of `/`) so GPU bytes equal the torch reference's
-        tl.store(row_ptr + slot * row_bytes + tile, tl.math.div_rn(x, safe[:, None]).to(row_ptr.dtype.element_ty))
+        # |x / scale| <= 448 up to one rounding; onto the e4m3 grid here, so the cast is exact anywhere
+        y = round_to_e4m3(tl.math.div_rn(x, safe[:, None]), FMAX)
+        tl.store(row_ptr + slot * row_bytes + tile, y.to(row_ptr.dtype.element_ty))
         # 2. scales as fp32 at bytes [L, L + 4 * N_TILES)
         tl.store(row_f32_ptr + (slot * row_bytes + L) // 4 + tl.arange(0, N_TILES), scale)
         # 3. rope as bf16 at bytes [L + 4 * N_TILES, row_bytes)
         pe_base = (slot * row_bytes + L + 4 * N_TILES) // 2
-        tl.store(row_bf16_ptr + pe_base + r, pe.to(tl.bfloat16), mask=r < R)
+        tl.store(row_bf16_ptr + pe_base + r, round_to_bf16(pe).to(tl.bfloat16), mask=r < R)
     else:
         # bf16 row = latent ++ rope, row_bytes // 2 elements per row
         for c0 in tl.static_range(0, L, TILE):
             c = c0 + tl.arange(0, TILE)
             x = tl.load(kv_c_ptr + i * stride_c + c, mask=c < L, other=0.0).to(tl.float32)
-            tl.store(row_bf16_ptr + slot * (row_bytes // 2) + c, x.to(tl.bfloat16), mask=c < L)
-        tl.store(row_bf16_ptr + slot * (row_bytes // 2) + L + r, pe.to(tl.bfloat16), mask=r < R)
+            tl.store(row_bf16_ptr + slot * (row_bytes // 2) + c, round_to_bf16(x).to(tl.bfloat16), mask=c < L)
+        tl.store(row_bf16_ptr + slot * (row_bytes // 2) + L + r, round_to_bf16(pe).to(tl.bfloat16), mask=r < R)
 
 
 @triton.jit
@@ -77,26 +81,10 @@ def _views(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Te
     return f8, f32, raw.view(torch.bfloat16), raw.shape[1], fp8
 
 
-def _check(kv_cache: torch.Tensor, slots: torch.Tensor, lat: int, rope: int) -> None:
-    kv_dtype = kv_dtype_of(kv_cache)
-    check_tensor("kv_cache", kv_cache, dim=2, dtypes=(torch.bfloat16, torch.uint8), device=kv_cache.device)
-    check_tensor("slots", slots, dim=1, dtypes=INDEX_DTYPES, device=kv_cache.device)
-    width = kv_cache.shape[1] * kv_cache.element_size()
-    if width != mla_row_bytes(lat, rope, kv_dtype):
-        raise ValueError(
-            f"kv_cache: expected rows of {mla_row_bytes(lat, rope, kv_dtype)} B for latent {lat} + rope {rope} "
-            f"({kv_dtype}), got {width} B"
-        )
-
-
 def pack_mla_kv(kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor) -> None:
     """Write ``kv_c [n, L]`` and ``k_pe [n, R]`` into ``kv_cache`` rows ``slots [n]`` (bf16 or fp8 layout)."""
-    check_tensor("kv_c", kv_c, dim=2, dtypes=FLOAT_DTYPES, device=kv_cache.device)
-    check_tensor("k_pe", k_pe, dim=2, dtypes=FLOAT_DTYPES, device=kv_cache.device)
+    contract.pack_mla_kv(kv_c, k_pe, kv_cache, slots)
     lat, rope = kv_c.shape[1], k_pe.shape[1]
-    _check(kv_cache, slots, lat, rope)
-    check_len("k_pe", k_pe, kv_c.shape[0], "one rope key per latent row")
-    check_len("slots", slots, kv_c.shape[0], "one slot per row")
     if kv_c.shape[0] == 0:
         return
     f8, f32, bf16, row_bytes, fp8 = _views(kv_cache)
@@ -110,11 +98,9 @@ def pack_mla_kv(kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor, 
 
 def unpack_mla_kv(kv_cache: torch.Tensor, slots: torch.Tensor, kv_lora_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Read rows ``slots [n]`` as fp32 ``(kv_c [n, L], k_pe [n, R])``."""
+    rope = contract.unpack_mla_kv(kv_cache, slots, kv_lora_rank)
     fp8 = kv_dtype_of(kv_cache) == "fp8"
-    width = kv_cache.shape[1] * kv_cache.element_size()
     lat = kv_lora_rank
-    rope = (width - lat - 4 * (lat // FP8_TILE)) // 2 if fp8 else width // 2 - lat
-    _check(kv_cache, slots, lat, rope)
     n = slots.shape[0]
     kv_c = torch.empty(n, lat, dtype=torch.float32, device=kv_cache.device)
     k_pe = torch.empty(n, rope, dtype=torch.float32, device=kv_cache.device)

@@ -6,7 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dsa_kernels.triton_ops.checks import INDEX_DTYPES, check_tensor
+from dsa_kernels import contract
 from dsa_kernels.triton_ops.offsets import as_offset, wide
 
 
@@ -36,14 +36,9 @@ def _launch(src: torch.Tensor, dst: torch.Tensor, ids: torch.Tensor, gather: boo
     _copy_pages_kernel[grid](s, d, ids, s.shape[1], GATHER=gather, BLOCK=block, WIDE=wide())
 
 
-def _check(pages: torch.Tensor, page_ids: torch.Tensor) -> None:
-    check_tensor("pages", pages, dim=2, dtypes=(torch.uint8,), device=pages.device)
-    check_tensor("page_ids", page_ids, dim=1, dtypes=INDEX_DTYPES, device=pages.device)
-
-
 def gather_pages(pages: torch.Tensor, page_ids: torch.Tensor) -> torch.Tensor:
     """``out[i] = pages[page_ids[i]]``: ``[P, page_bytes]`` uint8 -> ``[n, page_bytes]``."""
-    _check(pages, page_ids)
+    contract.gather_pages(pages, page_ids)
     out = torch.empty(page_ids.shape[0], pages.shape[1], dtype=torch.uint8, device=pages.device)
     _launch(pages, out, page_ids, gather=True)
     return out
@@ -51,8 +46,5 @@ def gather_pages(pages: torch.Tensor, page_ids: torch.Tensor) -> torch.Tensor:
 
 def scatter_pages(packed: torch.Tensor, pages: torch.Tensor, page_ids: torch.Tensor) -> None:
     """``pages[page_ids[i]] = packed[i]`` (page ids distinct)."""
-    _check(pages, page_ids)
-    check_tensor("packed", packed, dim=2, dtypes=(torch.uint8,), device=pages.device)
-    if tuple(packed.shape) != (page_ids.shape[0], pages.shape[1]):
-        raise ValueError(f"packed: expected shape {[page_ids.shape[0], pages.shape[1]]}, got {list(packed.shape)}")
+    contract.scatter_pages(packed, pages, page_ids)
     _launch(packed, pages, page_ids, gather=False)

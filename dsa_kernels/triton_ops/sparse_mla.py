@@ -12,8 +12,9 @@ import torch
 import triton
 import triton.language as tl
 
-from dsa_kernels.triton_ops.checks import FLOAT_DTYPES, check_tensor
+from dsa_kernels import contract
 from dsa_kernels.triton_ops.offsets import as_offset, wide
+from dsa_kernels.triton_ops.rounding import round_to_bf16
 from lsconfig import envs
 
 
@@ -22,7 +23,7 @@ def _sparse_mla_prefill_kernel(
     q_ptr, kv_ptr, idx_ptr, out_ptr, lse_ptr,
     stride_qt, stride_qh, stride_kv, stride_it, stride_ot, stride_oh, topk, n_rows, sm_scale,
     H: tl.constexpr, BLOCK_H: tl.constexpr, L: tl.constexpr, R: tl.constexpr, BLOCK_R: tl.constexpr,
-    BLOCK_K: tl.constexpr, DOT_BF16: tl.constexpr, WIDE: tl.constexpr,
+    BLOCK_K: tl.constexpr, DOT_BF16: tl.constexpr, OUT_BF16: tl.constexpr, WIDE: tl.constexpr,
 ):
     t = as_offset(tl.program_id(0), WIDE)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -62,6 +63,8 @@ def _sparse_mla_prefill_kernel(
     has = l_sum > 0
     out = acc / tl.where(has, l_sum, 1.0)[:, None]
     lse = tl.where(has, m + tl.log(tl.where(has, l_sum, 1.0)), float("-inf"))
+    if OUT_BF16:  # round to nearest even here: the interpreter's own fp32 -> bf16 cast truncates
+        out = round_to_bf16(out)
     tl.store(out_ptr + t * stride_ot + h[:, None] * stride_oh + c[None, :], out.to(out_ptr.dtype.element_ty),
              mask=hmask[:, None])
     tl.store(lse_ptr + t * H + h, lse, mask=hmask)
@@ -75,18 +78,10 @@ def sparse_mla_prefill(
     kv_lora_rank: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``out [T, H, L]`` (q's dtype) and ``lse [T, H]`` fp32; shapes as the reference."""
+    contract.sparse_mla_prefill(q, kv_cache, indices, sm_scale, kv_lora_rank)
     dev = kv_cache.device
-    check_tensor("q", q, dim=3, dtypes=FLOAT_DTYPES, device=dev)
-    check_tensor("kv_cache", kv_cache, dim=2, dtypes=(torch.bfloat16, torch.float16, torch.float32), device=dev)
-    check_tensor("indices", indices, dim=2, dtypes=(torch.int32, torch.int64), device=dev)
     t_count, heads, width = q.shape
     lat = kv_lora_rank
-    if width != kv_cache.shape[1]:
-        raise ValueError(f"q: expected last dim {kv_cache.shape[1]} (kv_cache row), got {width}")
-    if lat & (lat - 1) or lat < 16 or lat >= width:
-        raise ValueError(f"kv_lora_rank: expected a power of 2 >= 16 below the row width {width}, got {lat}")
-    if indices.shape[0] != t_count:
-        raise ValueError(f"indices: expected {t_count} rows (one per query token), got {indices.shape[0]}")
     out = torch.empty(t_count, heads, lat, dtype=q.dtype, device=dev)
     lse = torch.empty(t_count, heads, dtype=torch.float32, device=dev)
     if t_count == 0:
@@ -98,7 +93,8 @@ def sparse_mla_prefill(
         q.stride(0), q.stride(1), kv_cache.stride(0), indices.stride(0), out.stride(0), out.stride(1),
         indices.shape[1], kv_cache.shape[0], float(sm_scale),
         H=heads, BLOCK_H=block_h, L=lat, R=rope, BLOCK_R=max(16, triton.next_power_of_2(rope)), BLOCK_K=32,
-        DOT_BF16=not envs.triton_interpret() and kv_cache.dtype == torch.bfloat16, WIDE=wide(),
+        DOT_BF16=not envs.triton_interpret() and kv_cache.dtype == torch.bfloat16,
+        OUT_BF16=q.dtype == torch.bfloat16, WIDE=wide(),
     )
     return out, lse
 

@@ -1,0 +1,52 @@
+"""Explicit round-to-nearest-even of fp32 values onto the bf16 and e4m3 grids, before the cast.
+
+Why: a kernel's final ``x.to(bf16)`` / ``x.to(fp8e4nv)`` is exact on a GPU (``cvt.rn``), but the
+Triton interpreter (``TRITON_INTERPRET=1``, the CPU CI) converts with its own bit code, which
+(Triton 3.x ``interpreter._convert_float``) truncates fp32 -> bf16, and for fp32 -> fp8 rounds
+ties up instead of to even and, when the mantissa carries out, drops the carry whenever the
+exponent's low bit is set (124 -> 64 instead of 128: the "up to 2x" of DESIGN.md section 5).
+Measured before this file: 904-999 of 17160 indexer-cache bytes per 130 bf16 keys differed from
+the torch reference (tests/dsa_kernels/test_cast_bytes.py has the counts).
+
+So the kernels round the fp32 value onto the target grid themselves, with integer and exact
+fp32 operations only; the cast then receives a representable value, which every converter
+(interpreter or hardware) maps exactly. On a GPU this is the same value ``cvt.rn`` gives, so the
+bytes there do not change; under the interpreter they now equal torch's.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl  # noqa: F401  (triton.jit below)
+
+
+@triton.jit
+def round_to_bf16(x):
+    """fp32 ``x`` rounded to the nearest bf16 (ties to even), as fp32; NaN and inf kept."""
+    bits = x.to(tl.uint32, bitcast=True)
+    # add 0x7FFF plus the kept lsb, then drop the low 16 bits: RNE on the bit pattern, with the
+    # carry into the exponent done by the integer add (overflow past the largest bf16 gives inf)
+    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+    return tl.where(x != x, x, rounded.to(tl.float32, bitcast=True))
+
+
+@triton.jit
+def round_to_e4m3(y, FMAX: tl.constexpr):
+    """fp32 ``y`` saturated to ``+-FMAX`` (448) and rounded to the nearest e4m3 value (ties to even),
+    as fp32, sign of zero kept. e4m3: 3 mantissa bits, normals from 2^-6, subnormal step 2^-9.
+
+    ``|y|`` is scaled by the inverse of its grid step ``ulp = 2^(max(e, -6) - 3)`` (a power of two:
+    exact) into ``[0, 16)``, rounded to an integer there (exact fp32 steps), and scaled back.
+    """
+    sign = y.to(tl.uint32, bitcast=True) & 0x80000000
+    a = tl.minimum(tl.abs(y), FMAX)
+    e = ((a.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127  # unbiased exponent of |y|
+    step = tl.maximum(e, -6) - 3  # log2 of the e4m3 grid step at |y|
+    ulp = ((step + 127) << 23).to(tl.float32, bitcast=True)
+    inv_ulp = ((127 - step) << 23).to(tl.float32, bitcast=True)
+    q = a * inv_ulp  # in [0, 16): exact
+    whole = q.to(tl.int32)  # truncation == floor (q >= 0)
+    frac = q - whole.to(tl.float32)  # exact
+    up = (frac > 0.5) | ((frac == 0.5) & ((whole & 1) == 1))
+    mag = (whole + up.to(tl.int32)).to(tl.float32) * ulp  # exact: at most 16 steps of ulp
+    return (mag.to(tl.uint32, bitcast=True) | sign).to(tl.float32, bitcast=True)
