@@ -7,7 +7,8 @@ Checks: (1) the invariant checker — every landing write must hit a page whose 
 generation) is the writer's, and every free must come from the page's owner; (2) a checksum of every
 layer of every successful request's KV when decode starts, and of every source page a write reads;
 (3) end-of-run accounting — every page free or held by a request still tracked, no request still
-held, no quarantined page freed. ``failures(report)`` lists what a safe run must never show.
+held (liveness: quarantine heals, dead ranks are fenced), no quarantined page freed; (4) no write of a
+fenced prefill process lands, and no TransferRequest decode still waits on is rejected as late. ``failures(report)`` lists what a safe run must never show.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ from pd.cluster import PDCluster
 from pd.stress_config import PDStressConfig  # noqa: F401 - this module's API (configs come from here)
 
 MUST_BE_ZERO = ("overwrites", "bad_frees", "source_stale_reads", "checksum_mismatches", "leaked_pages",
-                "prefill_leaked_pages", "requests_still_held", "quarantined_pages_freed")
+                "prefill_leaked_pages", "requests_still_held", "quarantined_pages_freed", "fenced_writes_landed",
+                "false_late_rejections")
 
 
 def run_pd_stress(cfg: PDStressConfig) -> dict:
@@ -56,7 +58,16 @@ def _report(cfg: PDStressConfig, cluster: PDCluster) -> dict:
         "source_stale_reads": sum(len(p.kv.stale_reads) for p in prefills),
         "checksum_mismatches": d.stats["checksum_mismatches"],
         "leaked_pages": cluster.leaked_pages(), "prefill_leaked_pages": cluster.prefill_leaked_pages(),
-        "requests_still_held": len(d.reqs),
+        "requests_still_held": len(d.reqs), "pages_held_at_end": sum(len(r.pages) for r in d.reqs.values()),
+        "peak_held_aborted_pages": d.peak_held_aborted_pages,
+        "fences": [{"rank": r, "incarnation": i, "at_s": round(t, 4)} for r, i, t in d.fences],
+        **{k: d.stats[k] for k in ("released_by_fence", "misaddressed", "non_owner", "old_life_messages",
+                                   "resumed_sends", "paused_sends", "decode_restarts")},
+        "fenced_writes_refused": sum(p.engine.stats["fenced_refused"] for p in prefills),
+        "fenced_writes_landed": sum(p.engine.stats["fenced_landed"] for p in prefills),
+        "dead_life_writes_refused": d.kv.refused_dead_life,
+        **{f"prefill_{k}": sum(p.stats[k] for p in prefills) for k in ("stale_decode_life", "orphaned")},
+        **cluster.stats, **cluster.watch.report(),
         "channel": dict(cluster.channel.stats),
         "engine": {k: sum(p.engine.stats[k] for p in prefills) for k in ("batches", "writes", "errors")},
         "sim_seconds": cluster.loop.now,

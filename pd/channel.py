@@ -31,7 +31,8 @@ class ChannelFaults:
 
 
 class Channel(ABC):
-    """Endpoints by name; ``send`` is the subclass's, ``_deliver`` hands a message to its endpoint."""
+    """Endpoints by name; ``send`` is the subclass's, ``_deliver`` hands a message (and its sender's
+    endpoint name, as a socket knows its peer) to its endpoint."""
 
     def __init__(self) -> None:
         self._handlers: dict[str, Callable] = {}
@@ -44,9 +45,10 @@ class Channel(ABC):
     def send(self, src: str, dst: str, msg: object) -> None:
         """Deliver ``msg`` from ``src`` to ``dst`` (each subclass decides how and when)."""
 
-    def _deliver(self, dst: str, msg: object) -> None:
+    def _deliver(self, dst: str, msg: object, src: str | None = None) -> None:
+        """Hand ``msg`` to ``dst``'s handler as ``handler(msg, src)``: the transport knows the sender."""
         self.stats["delivered"] += 1
-        self._handlers[dst](msg)
+        self._handlers[dst](msg, src)
 
 
 class ControlChannel(Channel):
@@ -67,4 +69,4 @@ class ControlChannel(Channel):
         at = self.loop.now + self.rng.uniform(f.min_delay_s, f.max_delay_s)
         at = max(at, self._last.get((src, dst), 0.0))  # FIFO per endpoint pair
         self._last[(src, dst)] = at
-        self.loop.after(at - self.loop.now, self._deliver, dst, msg)
+        self.loop.after(at - self.loop.now, self._deliver, dst, msg, src)

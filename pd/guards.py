@@ -13,10 +13,12 @@ import contextlib
 from dataclasses import dataclass, replace
 from typing import Callable, Iterator
 
+from pd.decode_kv import DecodeKV
 from pd.decode_side import DecodeConfig, DecodeNode
 from pd.pages import TaggedPages
 from pd.prefill_side import PrefillNode
 from pd.room_book import RoomBook
+from pd.transfer_engine import TransferEngine
 
 
 @dataclass(frozen=True)
@@ -51,7 +53,27 @@ GUARDS: dict[str, Guard] = {g.name: g for g in (
           PrefillNode, "_sources_drained", lambda self, req: not req.computing),
     Guard("free-by-owner-only", "a stale free releases a page that another (room, generation) owns now",
           TaggedPages, "_owns", lambda self, page, tag: self.owner[page] is not None),
+    # issue 25: liveness, fencing, decode identity, membership
+    Guard("quarantine-heals", "quarantine is terminal: re-sends stop for good, the pages are held for ever",
+          decode_flag="unsafe_terminal_quarantine"),
+    Guard("fence-refuses-writes", "a fenced (dead) process's write still in flight lands on released pages",
+          TransferEngine, "_refuses", lambda self, owner: False),
+    Guard("decode-life-fence", "an old decode life's write in flight lands on the new life's pages",
+          DecodeKV, "accepts", lambda self, tag: True),
+    Guard("floor-per-decode-life", "prefill keeps the old decode life's floor: the new life's requests are "
+          "rejected as late", PrefillNode, "_reset_book", lambda self: None),
+    Guard("owners-only", "success counts TransferDone reports instead of checking every owner sent one",
+          DecodeNode, "_record_done", lambda self, req, msg: _done_by_count(self, req, msg)),
+    Guard("reply-from-its-peer", "a reply naming another peer than the one it came from is believed",
+          DecodeNode, "_from_peer", lambda self, msg, src: True),
 )}
+
+
+def _done_by_count(node: DecodeNode, req, msg) -> bool:
+    """UNSAFE (issue 15's fan-in): any report counts, success when there are as many as ranks told."""
+    req.done_peers.add(msg.peer)
+    node._close(req, msg.peer)
+    return len(req.done_peers) >= len(req.told)
 
 
 def check_names(names) -> tuple[str, ...]:

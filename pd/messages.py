@@ -9,6 +9,13 @@ a rank, that rank's **floor**: every epoch below it is closed (decode will never
 rank for it), so the rank may forget those rooms and must reject anything below the floor. Each
 prefill process has an **incarnation** (bumped by a restart); a ``TransferRequest`` is addressed to
 the incarnation decode resolved at bootstrap, and only that process may act on it.
+
+The decode worker has incarnations too (its **life**, bumped by a restart): every message carries it.
+A decode restart deregisters the old life's memory, so a write of the old life is refused where it
+lands; prefill forgets the old life's rooms and its floor (the new life's epochs restart at 0) and
+drops a message of an older life. Replies name their sender (``peer``, ``incarnation``); decode acts
+on one only if the channel delivered it from that peer and that peer owns the request (see
+``pd.decode_side``).
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ class TransferRequest:
     floor: int
     pages: tuple[int, ...]  # decode page of request page i
     generations: tuple[int, ...]  # the pages' allocation generations (carried for the invariant checker)
+    decode_life: int = 0  # the decode process (its memory registration) the pages belong to
 
 
 @dataclass(frozen=True)
@@ -38,6 +46,8 @@ class TransferStarted:
     rid: int
     room: int
     peer: int
+    incarnation: int = 0
+    decode_life: int = 0
 
 
 @dataclass(frozen=True)
@@ -48,6 +58,8 @@ class TransferDone:
     rid: int
     room: int
     peer: int
+    incarnation: int = 0
+    decode_life: int = 0
 
 
 @dataclass(frozen=True)
@@ -57,6 +69,8 @@ class TransferFailed:
     rid: int
     room: int
     peer: int
+    incarnation: int = 0
+    decode_life: int = 0
 
 
 @dataclass(frozen=True)
@@ -68,6 +82,7 @@ class Abort:
     token: int
     epoch: int
     floor: int
+    decode_life: int = 0
 
 
 @dataclass(frozen=True)
@@ -81,3 +96,4 @@ class AbortAck:
     token: int
     peer: int
     incarnation: int = 0
+    decode_life: int = 0

@@ -21,12 +21,13 @@ def page_payload(room: int, index: int) -> int:
 class TaggedPages:
     """Pages 0..n-1, each free or owned by one ``WriteTag(room, generation)``; FIFO reuse."""
 
-    def __init__(self, num_pages: int) -> None:
+    def __init__(self, num_pages: int, life: int = 0) -> None:
         if num_pages < 1:
             raise ValueError(f"num_pages: expected an integer >= 1, got {num_pages}")
         self.owner: list[WriteTag | None] = [None] * num_pages
         self.free_pages: deque[int] = deque(range(num_pages))
         self._generation = 0
+        self.life = life  # the owning process's life: part of every tag it hands out
         self.bad_frees: list[tuple[int, WriteTag, WriteTag | None]] = []  # (page, freed as, real owner)
 
     @property
@@ -40,7 +41,7 @@ class TaggedPages:
         pages = [self.free_pages.popleft() for _ in range(n)]
         for p in pages:
             self._generation += 1
-            self.owner[p] = WriteTag(room, self._generation)
+            self.owner[p] = WriteTag(room, self._generation, self.life)
         return pages
 
     def tags(self, pages: list[int]) -> tuple[WriteTag, ...]:

@@ -13,7 +13,13 @@ the forward is over and the last write reading them drained.
 A restarted process has lost all of that state. It therefore (1) rejects ``TransferRequest``s
 addressed to another incarnation — the duplicates its previous life would have recognised — and
 (2) serves nothing, not even aborts, until every write its previous lives posted has drained:
-"never saw it" must hold for the whole rank, not just for this process.
+"never saw it" must hold for the whole rank, not just for this process. A crashed process stops
+renewing its bootstrap lease, which expires ``lease_s`` later (until then the registry is stale).
+
+Every message names the decode **life** it comes from. One from a newer life means decode restarted:
+the rooms of the old life are forgotten (their writes stop being posted; those in flight are refused
+by the old life's torn-down memory) and so is the old life's floor — the new life numbers its epochs
+from 0 again, and an old floor would reject them as late. A message of an older life is dropped.
 """
 
 from __future__ import annotations
@@ -42,6 +48,7 @@ class PrefillConfig:
     batch_gap_s: float = 0.01
     source_pages: int = 1024  # the rank's own KV pool: what its writes read from
     compute_seed: int = 0  # seeds each room's forward time, which every CP rank shares
+    lease_s: float = 2.0  # the bootstrap lease: a dead process is still shown serving this long
 
 
 def forward_time(cfg: PrefillConfig, room: int) -> float:
@@ -74,6 +81,7 @@ class PrefillRequest:
     failed: bool = False
     posted_all: bool = False
     done: bool = False
+    orphaned: bool = False  # its decode life is dead: nobody waits for an answer
 
 
 class PrefillNode:
@@ -85,8 +93,11 @@ class PrefillNode:
         self.layers, self.fraction = topology.layers_by_rank[rank], topology.last_layer_fraction(rank)
         self.registry = registry
         self.incarnation, self.alive, self.up = 0, True, False
+        self.decode_life = 0  # the newest decode life this rank has heard from
+        self.on_late_reject: Callable[[int, TransferRequest], None] | None = None  # a tap (the checks)
         self.stats = dict.fromkeys(("rejected_late", "wrong_incarnation", "duplicates", "acks_sent",
-                                    "lost_while_down", "crashes"), 0)
+                                    "lost_while_down", "crashes", "stale_decode_life", "decode_lives",
+                                    "orphaned"), 0)
         self._past_peaks = (0, 0)
         self._start_life()
         self._serve(0)
@@ -96,18 +107,20 @@ class PrefillNode:
         self.book = RoomBook()
         self.kv = PrefillKV(self.cfg.source_pages)
         self.queue: list[PrefillRequest] = []  # accepted, waiting for source pages
+        self.orphans: set[PrefillRequest] = set()  # records of a dead decode life still holding sources
 
     def crash(self) -> None:
         """The process dies: its state is lost; writes it posted keep landing (the NIC drains them)."""
         self._past_peaks = (self.peak_records, self.peak_tombstones)
         self.alive = self.up = False
-        self.registry.unregister(self.peer)
+        self.loop.after(self.cfg.lease_s, self.registry.expire, self.peer, self.incarnation)  # stale till then
         self.stats["crashes"] += 1
 
     def restart(self) -> None:
-        """A new process, incarnation + 1, with empty state; it serves once the old writes drained."""
+        """A new process, incarnation + 1 (above any fenced one), with empty state; it serves once the old
+        writes drained (a fence refuses what was still in flight, so that is then at once)."""
         assert not self.alive, "restart of a live process"
-        self.incarnation += 1
+        self.incarnation = max(self.incarnation, self.registry.revoked[self.peer]) + 1
         self.alive = True
         self._start_life()
         self._await_old_writes(self.incarnation)
@@ -133,15 +146,36 @@ class PrefillNode:
         return max(self._past_peaks[1], self.book.peak_tombstones)
 
     # messages from decode ----------------------------------------------------------------------------
-    def handle(self, msg: object) -> None:
+    def handle(self, msg: object, src: str | None = None) -> None:
         if not self.up:
             self.stats["lost_while_down"] += 1
             return
+        if msg.decode_life < self.decode_life:
+            self.stats["stale_decode_life"] += 1  # a dead decode life's message: nobody waits on it
+            return
+        if msg.decode_life > self.decode_life:
+            self._new_decode_life(msg.decode_life)
         self.book.advance(msg.floor)
         if isinstance(msg, TransferRequest):
             self._on_transfer(msg)
         elif isinstance(msg, Abort):
             self._on_abort(msg)
+
+    def _new_decode_life(self, life: int) -> None:
+        """Decode restarted: stop working for its old life and forget the old life's rooms and floor."""
+        self.stats["decode_lives"] += 1
+        old = list(self.book.records.values())
+        self.decode_life, self.queue = life, []
+        self._reset_book()
+        for req in old:
+            req.aborted = req.orphaned = True  # stop posting; no answer is owed to a dead life
+            self.stats["orphaned"] += 1
+            if req.sources:
+                self.orphans.add(req)
+                self._settle(req)
+
+    def _reset_book(self) -> None:
+        self.book = RoomBook()  # the new life's epochs start at 0 (pd.guards: floor-per-decode-life)
 
     def _on_transfer(self, msg: TransferRequest) -> None:
         if not self._addressed_here(msg):
@@ -149,6 +183,8 @@ class PrefillNode:
             return
         if self.book.below_floor(msg.epoch) or msg.room in self.book.tombstones:
             self.stats["rejected_late"] += 1  # closed or aborted: never write for it again
+            if self.on_late_reject is not None:
+                self.on_late_reject(self.peer, msg)
             return
         req = self.book.records.get(msg.room)
         if req is not None:
@@ -165,26 +201,29 @@ class PrefillNode:
         """A repeated request (decode's poll, or a duplicate): answer again, never post again."""
         self.stats["duplicates"] += 1
         if req.done:
-            self.send(TransferDone(req.msg.rid, req.msg.room, self.peer))
+            self.send(self._reply(TransferDone, req))
         elif req.failed and not req.aborted:
-            self.send(TransferFailed(req.msg.rid, req.msg.room, self.peer))
+            self.send(self._reply(TransferFailed, req))
+
+    def _reply(self, kind: type, req: PrefillRequest):
+        return kind(req.msg.rid, req.msg.room, self.peer, self.incarnation, req.msg.decode_life)
 
     def _on_abort(self, msg: Abort) -> None:
         req = self.book.records.get(msg.room)
         if req is None:  # never saw it: nothing posted by this life, and earlier lives drained before we served
             if not self.book.below_floor(msg.epoch):
                 self.book.add_tombstone(msg.epoch, msg.room)  # a late TransferRequest must be rejected
-            return self._send_ack(msg.rid, msg.room, msg.token)
+            return self._send_ack(msg.rid, msg.room, msg.token, msg.decode_life)
         req.aborted, req.token = True, msg.token
         if req in self.queue:
             self.queue.remove(req)
         if req.lease == 0:  # no write in flight, and none will be posted
-            self._send_ack(msg.rid, msg.room, msg.token)
+            self._send_ack(msg.rid, msg.room, msg.token, msg.decode_life)
             self._settle(req)
 
-    def _send_ack(self, rid: int, room: int, token: int) -> None:
+    def _send_ack(self, rid: int, room: int, token: int, decode_life: int) -> None:
         self.stats["acks_sent"] += 1
-        self.send(AbortAck(rid, room, token, self.peer, self.incarnation))
+        self.send(AbortAck(rid, room, token, self.peer, self.incarnation, decode_life))
 
     # forward and writes ------------------------------------------------------------------------------
     def _start_queued(self) -> None:
@@ -204,7 +243,7 @@ class PrefillNode:
         req.computing = False
         if req.aborted:
             return self._settle(req)  # acked at abort time; now the forward no longer touches the sources
-        self.send(TransferStarted(req.msg.rid, req.msg.room, self.peer))
+        self.send(self._reply(TransferStarted, req))
         self._post(req, 0)
 
     def _post(self, req: PrefillRequest, start: int) -> None:
@@ -214,7 +253,7 @@ class PrefillNode:
         index = range(start, end)
         req.lease += 1
         self.engine.post([(msg.pages[i], self.layers) for i in index],
-                         [WriteTag(msg.room, msg.generations[i]) for i in index],
+                         [WriteTag(msg.room, msg.generations[i], msg.decode_life) for i in index],
                          [SourceRead(self.kv, req.sources[i], req.source_tags[i]) for i in index],
                          partial(self._on_status, req), partial(self._on_quiesced, req), owner=self.incarnation)
         if end < len(msg.pages):
@@ -226,7 +265,7 @@ class PrefillNode:
     def _on_status(self, req: PrefillRequest, batch: int, status: str) -> None:
         if self._live(req) and status == "failed" and not req.aborted and not req.failed:
             req.failed = True  # stop posting; decode will abort; the lease still counts in-flight writes
-            self.send(TransferFailed(req.msg.rid, req.msg.room, self.peer))
+            self.send(self._reply(TransferFailed, req))
 
     def _on_quiesced(self, req: PrefillRequest, batch: int) -> None:
         if not self._live(req):
@@ -234,11 +273,13 @@ class PrefillNode:
         req.lease -= 1
         if req.lease:
             return
-        if req.aborted:
-            self._send_ack(req.msg.rid, req.msg.room, req.token)
+        if req.orphaned:
+            pass  # its decode life is dead: nothing to answer
+        elif req.aborted:
+            self._send_ack(req.msg.rid, req.msg.room, req.token, req.msg.decode_life)
         elif req.posted_all and not req.failed:
             req.done = True  # its record now answers repeats with TransferDone and rejects re-posting
-            self.send(TransferDone(req.msg.rid, req.msg.room, self.peer))
+            self.send(self._reply(TransferDone, req))
         self._settle(req)
 
     def _settle(self, req: PrefillRequest) -> None:
@@ -246,6 +287,7 @@ class PrefillNode:
         if req.sources and (req.aborted or req.failed or req.posted_all) and self._sources_drained(req):
             self.kv.free(req.sources, req.source_tags)
             req.sources = []
+            self.orphans.discard(req)
             self._start_queued()
 
     def _sources_drained(self, req: PrefillRequest) -> bool:

@@ -27,6 +27,10 @@ class PDStressConfig:
     restart_mean_s: float | None = 60.0  # per rank, mean virtual time between crashes (None: never)
     restart_down_s: tuple[float, float] = (0.2, 1.5)
     kill: tuple[tuple[int, float], ...] = ()  # (rank, time): crash and never come back (a dead peer)
+    partition: tuple[tuple[int, float, float], ...] = ()  # (rank, time, seconds): its control link is cut
+    outage: tuple[tuple[int, float, float], ...] = ()  # (rank, time, seconds): crashed, restarted after (a reload)
+    restart_decode: tuple[float, ...] = ()  # times the decode worker crashes and restarts (a new life)
+    misaddress: float = 0.0  # probability a prefill reply is also delivered naming another (or no) peer
     channel: ChannelFaults = field(default_factory=lambda: ChannelFaults(drop=0.05, duplicate=0.05))
     engine: EngineFaults = field(default_factory=lambda: EngineFaults(slow_write=0.02, error=0.02))
     prefill: PrefillConfig = field(default_factory=lambda: PrefillConfig(straggler=0.05))
@@ -40,6 +44,11 @@ class PDStressConfig:
             raise ValueError(f"cancel: expected a probability in [0, 1), got {self.cancel}")
         if self.restart_mean_s is not None and self.restart_mean_s <= 0:
             raise ValueError(f"restart_mean_s: expected seconds > 0 (or None: no restarts), got {self.restart_mean_s}")
-        for rank, _ in self.kill:
-            if rank not in self.topology.ranks:
-                raise ValueError(f"kill: expected ranks in {self.topology.ranks}, got {rank}")
+        if not 0 <= self.misaddress < 1:
+            raise ValueError(f"misaddress: expected a probability in [0, 1), got {self.misaddress}")
+        for name in ("kill", "partition", "outage"):
+            for fault in getattr(self, name):
+                if fault[0] not in self.topology.ranks:
+                    raise ValueError(f"{name}: expected ranks in {self.topology.ranks}, got {fault[0]}")
+                if any(v < 0 for v in fault[1:]):
+                    raise ValueError(f"{name}: expected times and durations >= 0, got {fault}")

@@ -10,6 +10,11 @@ The engine is the NIC: it outlives the process that posted a batch. Each batch n
 (a prefill process incarnation) and ``when_drained`` tells a restarted process when every write
 its previous lives posted has landed. A payload may be a zero-argument callable (a source-page
 read): it is called when the write lands, because the NIC reads local memory when it transmits.
+
+**Fencing** (``fence(upto)``): decode tears down the registration of a dead prefill process — as a
+deregistered RDMA memory region / destroyed queue pair refuses remote writes — so from then on a
+write of an owner (incarnation) ``<= upto`` is *refused* where it would land (counted, never applied)
+and its batch still quiesces. Only then may decode release the pages that process was told.
 """
 
 from __future__ import annotations
@@ -22,11 +27,13 @@ from pd.sim import EventLoop
 
 
 class WriteTag(NamedTuple):
-    """Who a write belongs to: the request incarnation and the page generation it was given.
+    """Who a write belongs to: the request incarnation, the page generation it was given and the decode
+    life (memory registration) the page belongs to.
     (A named tuple: every landing write compares one, so equality must be cheap.)"""
 
     room: int
     generation: int
+    life: int = 0
 
 
 @dataclass(frozen=True)
@@ -54,7 +61,8 @@ class TransferEngine:
         self._in_flight: dict[Hashable, int] = {}  # owner -> batches not yet quiesced
         self._batches: dict[int, _Batch] = {}  # batches whose writes have not all landed
         self._drain_waiters: list[tuple[Callable[[Hashable], bool], Callable[[], None]]] = []
-        self.stats = {"batches": 0, "writes": 0, "errors": 0}
+        self.fenced_upto: int | None = None  # owners <= this are fenced: their writes are refused
+        self.stats = {"batches": 0, "writes": 0, "errors": 0, "fenced_refused": 0, "fenced_landed": 0}
 
     def post(self, pages: list, tags: list[WriteTag], payloads: list,
              on_status: Callable[[int, str], None], on_quiesced: Callable[[int], None], owner: Hashable = None) -> int:
@@ -79,9 +87,13 @@ class TransferEngine:
 
     def _write(self, batch: int, page, tag: WriteTag, payload) -> None:
         """One write of ``batch`` lands (events, not closures: a checker copies the whole state)."""
-        self.stats["writes"] += 1
-        self.land(page, tag, payload() if callable(payload) else payload)
         record = self._batches[batch]
+        if self._refuses(record.owner):  # the registration is torn down: the write never reaches the page
+            self.stats["fenced_refused"] += 1
+        else:
+            self.stats["fenced_landed"] += self.fenced(record.owner)  # only with the fence guard off
+            self.stats["writes"] += 1
+            self.land(page, tag, payload() if callable(payload) else payload)
         record.remaining -= 1
         if record.remaining == 0:
             self._quiesce(batch)
@@ -95,6 +107,17 @@ class TransferEngine:
         record.on_quiesced(batch)
         if self._drain_waiters and not self._in_flight[record.owner]:
             self._wake_drained()
+
+    def fence(self, upto: int) -> None:
+        """Fence every owner (incarnation) ``<= upto``: from now on their writes are refused."""
+        self.fenced_upto = upto if self.fenced_upto is None else max(self.fenced_upto, upto)
+
+    def fenced(self, owner: Hashable) -> bool:
+        return isinstance(owner, int) and self.fenced_upto is not None and owner <= self.fenced_upto
+
+    def _refuses(self, owner: Hashable) -> bool:
+        """Is a landing write of ``owner`` refused? (The fence guard: pd.guards switches it off.)"""
+        return self.fenced(owner)
 
     def fail(self, batch: int) -> None:
         """The NIC reports ``batch`` failed; its writes still land (a no-op once it is done)."""

@@ -46,7 +46,23 @@ def add_parser(sub: argparse._SubParsersAction, int_at_least) -> None:
     d.add_argument("--restart-mean-s", type=options.number_in(0, 1e9), default=60.0,
                    help="mean virtual seconds between crashes of each prefill rank (0: no restarts)")
     d.add_argument("--kill-rank", type=_pd_kill, action="append", default=[], metavar="RANK@SECONDS",
-                   help="crash a prefill rank for good at this virtual time (a dead peer); repeatable")
+                   help="crash a prefill rank for good at this virtual time (a dead peer: fenced after "
+                        "--fence-after-s); repeatable")
+    d.add_argument("--partition", type=options.number_in(0, 1e6, low_open=True), default=None, metavar="SECONDS",
+                   help="cut --outage-rank's control link at --outage-at for this long (its lease stays valid)")
+    d.add_argument("--prefill-down", type=options.number_in(0, 1e6, low_open=True), default=None, metavar="SECONDS",
+                   help="crash --outage-rank at --outage-at and restart it this much later (a model reload)")
+    d.add_argument("--outage-rank", type=int_at_least(0), default=0, help="the rank of --partition / --prefill-down")
+    d.add_argument("--outage-at", type=options.number_in(0, 1e6), default=10.0,
+                   help="virtual time of --partition / --prefill-down (default 10)")
+    d.add_argument("--restart-decode", type=options.number_in(0, 1e6), action="append", default=[],
+                   metavar="SECONDS", help="crash and restart the decode worker at this virtual time; repeatable")
+    d.add_argument("--fence-after-s", type=options.number_in(0, 1e6), default=30.0,
+                   help="fence a prefill rank whose lease expired and that stayed down this long (0: never)")
+    d.add_argument("--misaddress", type=options.number_in(0, 1, high_open=True), default=0.0,
+                   help="probability a prefill reply is also delivered naming another peer or a non-owner")
+    d.add_argument("--guard-off", action="append", default=[], metavar="GUARD",
+                   help="UNSAFE: switch a hardening guard off (pd.guards; repeatable): expect the failure it closes")
     d.add_argument("--legacy-immediate-release", action="store_true",
                    help="UNSAFE: free an aborted request's pages at once (the old race)")
     d.add_argument("--json", action="store_true", help="print the report as one JSON object")
@@ -77,20 +93,39 @@ def _pd_kill(text: str) -> tuple[int, float]:
         raise argparse.ArgumentTypeError(f"expected RANK@SECONDS (e.g. 3@10.5), got {text!r}") from None
 
 
-def run_pd(args: argparse.Namespace) -> int:
-    from pd.abort_stress import PDStressConfig, failures, run_pd_stress
+def _pd_config(args: argparse.Namespace):
+    from pd.abort_stress import PDStressConfig
     from pd.channel import ChannelFaults
+    from pd.decode_side import DecodeConfig
+    from pd.guards import check_names, decode_config_off
     from pd.topology import PrefillTopology
 
     from layersplit.engine.ownership import plan_ownership
 
+    check_names(args.guard_off)  # one clear error before any work
+    if args.outage_rank >= args.prefill_cp:
+        raise ValueError(f"--outage-rank: expected a rank in [0, {args.prefill_cp - 1}], got {args.outage_rank}")
     plan = plan_ownership(args.layers, args.prefill_cp, "contiguous")  # pd takes the ownership as plain data
-    cfg = PDStressConfig(requests=args.requests, seed=args.seed, legacy_immediate_release=args.legacy_immediate_release,
-                         topology=PrefillTopology.of([plan.owned_layers(r) for r in range(args.prefill_cp)]),
-                         channel=ChannelFaults(max_delay_s=args.max_delay_s, drop=args.drop, duplicate=args.duplicate),
-                         cancel=args.cancel, restart_mean_s=args.restart_mean_s or None, kill=tuple(args.kill_rank))
-    report = run_pd_stress(cfg)
+    outage = lambda seconds: ((args.outage_rank, args.outage_at, seconds),) if seconds else ()  # noqa: E731
+    decode = decode_config_off(DecodeConfig(fence_after_s=args.fence_after_s or None), args.guard_off)
+    return PDStressConfig(
+        requests=args.requests, seed=args.seed, legacy_immediate_release=args.legacy_immediate_release,
+        topology=PrefillTopology.of([plan.owned_layers(r) for r in range(args.prefill_cp)]),
+        channel=ChannelFaults(max_delay_s=args.max_delay_s, drop=args.drop, duplicate=args.duplicate),
+        cancel=args.cancel, restart_mean_s=args.restart_mean_s or None, kill=tuple(args.kill_rank),
+        partition=outage(args.partition), outage=outage(args.prefill_down),
+        restart_decode=tuple(args.restart_decode), misaddress=args.misaddress, decode=decode)
+
+
+def run_pd(args: argparse.Namespace) -> int:
+    from pd.abort_stress import failures, run_pd_stress
+    from pd.guards import guards_off
+
+    cfg = _pd_config(args)
+    with guards_off(args.guard_off):
+        report = run_pd_stress(cfg)
     report["note"] = "discrete-event simulation of a PD cluster (virtual time), faults seeded"
+    report["guards_off"] = list(args.guard_off)
     if args.json:
         print(json.dumps(report))
     else:
@@ -102,6 +137,12 @@ def run_pd(args: argparse.Namespace) -> int:
             return 3
         return 0
     broken = failures(report)
+    if args.guard_off:  # UNSAFE: the run is expected to show what the guard closes
+        if not broken:
+            print(f"warning: no failure with {', '.join(args.guard_off)} off; run more --requests or its scenario")
+            return 3
+        print("UNSAFE run failed as expected: " + ", ".join(broken))
+        return 0
     if broken:  # the safe protocol let a write land on a reused page, leaked, or still holds pages: a bug
         import sys
 

@@ -28,7 +28,7 @@ class ChoiceChannel(Channel):
         queue = self.queues[pair]
         msg = queue[index]
         del queue[index]
-        self._deliver(pair[1], msg)
+        self._deliver(pair[1], msg, pair[0])
 
     def drop(self, pair: tuple[str, str]) -> None:
         self.queues[pair].popleft()
@@ -41,4 +41,4 @@ class ChoiceChannel(Channel):
 
     def deliver_late(self, index: int) -> None:
         pair, msg = self.late.pop(index)
-        self._deliver(pair[1], msg)
+        self._deliver(pair[1], msg, pair[0])

@@ -27,7 +27,7 @@ class Harness:
         self.registry = BootstrapRegistry(len(topology.ranks))
         self.finished, self.landed, self.to_decode, self.to_prefill = [], [], [], []
         self.decode = DecodeNode(self.loop, random.Random(1), decode, self._from_decode, topology, self.registry,
-                                 self.finished.append)
+                                 self.finished.append, self._fence)
         self.channel.register("decode", self._to_decode)
         self.prefills, self.engines = [], []
         for rank in topology.ranks:
@@ -49,11 +49,14 @@ class Harness:
 
     def _land(self, rank: int, dest, tag, payload) -> None:
         self.landed.append((self.loop.now, rank, dest, tag))
-        self.decode.kv.land(dest, tag, payload)
+        self.decode.kv.land(dest, tag, payload)  # the current decode life's memory
 
-    def _to_decode(self, msg: object) -> None:
+    def _fence(self, rank: int, incarnation: int) -> None:
+        self.engines[rank].fence(incarnation)
+
+    def _to_decode(self, msg: object, src: str | None = None) -> None:
         self.to_decode.append((self.loop.now, msg))
-        self.decode.handle(msg)
+        self.decode.handle(msg, int(src[len("prefill"):]) if src else None)
 
     def sent(self, kind: type, rank: int | None = None) -> list:
         """Messages of ``kind`` decode sent (to ``rank``), in order."""

@@ -119,11 +119,11 @@ def test_legacy_race_in_one_script():
 def test_channel_is_fifo_per_endpoint():
     loop, got = EventLoop(), []
     ch = ControlChannel(loop, random.Random(0), ChannelFaults(min_delay_s=0.0, max_delay_s=1.0))
-    ch.register("b", got.append)
+    ch.register("b", lambda msg, src: got.append((src, msg)))
     for i in range(200):
         ch.send("a", "b", i)
     loop.run()
-    assert got == list(range(200))
+    assert got == [("a", i) for i in range(200)]  # in order, and the receiver knows the sender
     with pytest.raises(ValueError, match="drop: expected a probability in \\[0, 1\\), got 1.5"):
         ChannelFaults(drop=1.5)
 

@@ -96,6 +96,7 @@ def test_restarted_prefill_acks_only_after_its_previous_life_drained(guarded, mo
     first = h.decode.submit(rid=1, room=1, n_pages=2)
     h.loop.run(until=0.3)  # writes posted at ~0.11, landing at ~3.11
     h.prefill.crash()
+    h.loop.after(0.05, h.decode.abort, first)  # the client gives up while the rank is down
     h.loop.after(0.1, h.prefill.restart)
     second = h.decode.submit(rid=2, room=2, n_pages=2)  # queued behind room 1's pages
     h.loop.run()
