@@ -7,8 +7,12 @@ parses its arguments), it registers through SGLang's ``HookRegistry``:
 
 * class REPLACE of ``LayerSplitDSATokenToKVPool`` (the pool SGLang builds for DSA models on PD prefill
   workers under prefill-CP with ``--enable-dsa-cache-layer-split``) by :mod:`.pool`'s subclass;
-* a BEFORE hook on the DSA backend's ``init_forward_metadata`` that gives the pool the batch's pages
-  (:mod:`.batch`);
+* an AFTER hook on the DSA backend's ``init_forward_metadata`` that gives the pool the batch's pages
+  once upstream chose the batch's kernel (:mod:`.batch`), with each prefix page shared by requests of
+  the batch once (:mod:`.sharing`: an AFTER hook on ``ScheduleBatch.prepare_for_extend`` and an AROUND
+  hook on ``PrefillAdder.add_one_req`` that keeps a batch's pages within a staging slot);
+* the start-up plan and budget (:mod:`.startup`, :mod:`.budget`): hooks on SGLang's pool sizing charge
+  every byte the plug-in allocates to the KV budget, and refuse configurations it cannot serve;
 * class REPLACE of ``LayerDoneCounter`` and ``L2TransferEngine`` by :mod:`.hicache`'s subclasses
   (indexer keys loaded first, with their own ready event), and an AROUND hook on
   ``IndexKeyCache.get_local_buffer`` so the indexer waits only for its keys;
@@ -67,7 +71,7 @@ def register() -> bool:
         replace_class("layer_done_counter", hicache.make_counter_class)
         replace_class("l2_transfer_engine", hicache.make_engine_class)
         hooks.append((f"{compat.resolve_path('dsa_backend')}.{batch.TARGET_METHOD}",
-                      batch.before_init_forward_metadata, hook_type.BEFORE, None))
+                      batch.after_init_forward_metadata, hook_type.AFTER, None))
         hooks.append((f"{compat.resolve_path('index_key_cache')}.{hicache.INDEX_READ_TARGET}",
                       hicache.around_get_local_buffer, hook_type.AROUND, None))
         hooks += _landing_hooks(compat, hook_type)
@@ -82,14 +86,18 @@ def register() -> bool:
 
 
 def _landing_hooks(compat, hook_type) -> list:
-    """CUDA-graph fallback and batch-sized landing (:mod:`.batch`, :mod:`.landing`): hooks on the DSA
-    backend's graph metadata, its per-layer reads, and SGLang's layer-split pool sizing."""
-    from layersplit.sglang_plugin import batch, landing
+    """CUDA-graph path and batch-sized landing (:mod:`.batch`, :mod:`.landing`), the budget
+    (:mod:`.budget`) and shared-prefix pages (:mod:`.sharing`): hooks on the DSA backend's graph
+    metadata and per-layer reads, SGLang's pool sizing, batch preparation and admission."""
+    from layersplit.sglang_plugin import batch, budget, landing, sharing
 
     backend = compat.resolve_path("dsa_backend")
     hooks = [(f"{backend}.{batch.GRAPH_TARGET_METHOD}", batch.before_out_graph_metadata, hook_type.BEFORE, None),
              (f"{backend}.{landing.INDEXER_TARGET}", landing.around_get_indexer_metadata, hook_type.AROUND, None),
-             (landing.SIZING_TARGET, landing.around_effective_num_layers, hook_type.AROUND, None)]
+             (budget.EFFECTIVE_LAYERS_TARGET, budget.around_effective_num_layers, hook_type.AROUND, None),
+             (budget.CONFIGURATOR_TARGET, budget.after_configurator_init, hook_type.AFTER, None),
+             (sharing.PREPARE_TARGET, sharing.after_prepare_for_extend, hook_type.AFTER, None),
+             (sharing.ADMISSION_TARGET, sharing.around_add_one_req, hook_type.AROUND, None)]
     return hooks + [(f"{backend}.{name}", landing.around_forward, hook_type.AROUND, None)
                     for name in landing.FORWARD_TARGETS]
 

@@ -23,9 +23,10 @@ write, so the remap applies unchanged. Covered (``COVERED_IMPLS``): DSA prefill 
 ``flashmla_sparse`` (SGLang's default on Hopper with bf16 KV, the prefill-CP configuration),
 ``flashmla_kv`` (its default on Hopper with fp8 KV), ``flashmla_sparse_q8``, ``triton_sparse_mla``,
 ``flashinfer_sparse_mla``, ``fa3``, ``tilelang``, ``triton``. Not covered, each with its logged reason
-(the forward then scatters into upstream's pool-sized landing buffer, allocated on first use):
-``trtllm`` (its own paged layout and metadata), ``aiter``/``intel_xpu``, HiSparse (its own device
-translation), index k-pools > 1 (pooled page tables), a DSA KV-sharded pool.
+(decided at start-up, :mod:`.startup`: such a worker keeps upstream's pool-sized landing layer, counted
+in the KV budget, or is refused): ``trtllm`` (its own paged layout and metadata), ``aiter``/``intel_xpu``,
+HiSparse (its own device translation; refused), index k-pools > 1 (pooled page tables). A DSA
+KV-sharded pool never meets layer split: SGLang refuses the pair.
 """
 
 from __future__ import annotations
@@ -36,8 +37,8 @@ import logging
 
 log = logging.getLogger(__name__)
 
-COVERED_IMPLS = ("flashmla_sparse", "flashmla_kv", "flashmla_sparse_q8", "triton_sparse_mla",
-                 "flashinfer_sparse_mla", "fa3", "tilelang", "triton")
+from layersplit.sglang_plugin.startup import COVERED_IMPLS  # noqa: E402 (one list: start-up and per forward)
+
 LOC_FIELDS = ("page_table_1", "page_table_1_flattened")
 PAGE_FIELDS = ("real_page_table", "indexer_logical_page_table")
 
@@ -121,20 +122,6 @@ def around_get_indexer_metadata(original, backend, layer_id: int, forward_batch)
         return original(backend, layer_id, forward_batch)
 
 
-def around_effective_num_layers(original, model_runner, num_layers: int) -> int:
-    """HookRegistry AROUND hook on SGLang's ``get_glm_dsa_layer_split_effective_num_layers``, the
-    layer count its pool sizing charges per token under layer split: upstream's ``ceil(L / N) + 1``
-    counts the pool-sized scratch layer, which ``batch`` landing does not allocate."""
-    from lsconfig import envs
-
-    layers = original(model_runner, num_layers)
-    if layers != num_layers and envs.sglang_landing() == "batch":
-        return max(1, layers - 1)
-    return layers
-
-
 FORWARD_TARGETS = ("forward_extend", "forward_decode")
 INDEXER_TARGET = "get_indexer_metadata"
 INDEXER_TARGET_SIGNATURE = "(self, layer_id: 'int', forward_batch: 'ForwardBatch') -> 'DSAIndexerMetadata'"
-SIZING_TARGET = "sglang.srt.layers.cp.utils.get_glm_dsa_layer_split_effective_num_layers"
-SIZING_TARGET_SIGNATURE = "(model_runner: 'ModelRunner', num_layers: int) -> int"

@@ -13,8 +13,9 @@ always readable as exposition text from :meth:`PoolMetrics.to_prometheus`:
   the emulated streams (CPU) the forward stream *is* the host thread, so that is the stall; on CUDA a
   wait is queued on the stream and the host does not block, so there it counts ~0 and the count is
   the signal (device-side stall needs a timeline, e.g. ``layersplit prefill --trace``);
-* ``layersplit_staging_growth_events_total{kind}``: batches that outgrew the staging slots (each one
-  an allocation), and pool-sized landing allocations (``kind="pool_landing"``, a fallback);
+* ``layersplit_admission_deferrals_total{why}``: requests the admission hook held for a later batch
+  because the batch's de-duplicated pages would outgrow a staging slot (``why="slot"``; the slots are
+  allocated once at start-up and never grow);
 * ``layersplit_kv_pool_tokens{layout}``: tokens the pool holds (``plugin``) and what upstream's
   layer-split layout would hold in the same bytes (``upstream``: its pool-sized landing layer on top).
 """
@@ -33,13 +34,13 @@ METRICS = (
      "Host seconds the forward stream spent waiting, by what it waited on."),
     ("waits", "layersplit_forward_waits_total", "counter", "on",
      "Waits of the forward stream, by what it waited on."),
-    ("growth", "layersplit_staging_growth_events_total", "counter", "kind",
-     "Allocations after start-up: staging slots outgrown by a batch, pool-sized landing fallbacks."),
+    ("deferred", "layersplit_admission_deferrals_total", "counter", "why",
+     "Requests held for a later batch so that the batch's pages fit a staging slot."),
     ("pool_tokens", "layersplit_kv_pool_tokens", "gauge", "layout",
      "KV tokens the pool holds (plugin) and what upstream's layout would hold in the same bytes."),
 )
 LABELS = {"broadcast_bytes": ("kv", "index_prefix", "index_new"),
-          "wait_seconds": ("broadcast", "index_ready", "kv_ready"), "waits": ("broadcast", "index_ready", "kv_ready"), "growth": ("kv", "index", "pool_landing"),
+          "wait_seconds": ("broadcast", "index_ready", "kv_ready"), "waits": ("broadcast", "index_ready", "kv_ready"), "deferred": ("slot",),
           "pool_tokens": ("plugin", "upstream")}
 
 

@@ -19,8 +19,9 @@ capacity for the scratch. This subclass:
   the DSA backend reads non-owned layers through page tables remapped to those rows
   (:mod:`layersplit.sglang_plugin.landing`), so no pool-sized scratch exists; ``pool`` — upstream's
   pool-sized landing buffers are kept and each staged layer is scattered into them (for attention
-  backends the remap does not cover; a ``batch`` pool falls back to this per forward, allocating
-  the pool-sized buffers on first use, logged);
+  configurations the remap does not cover, decided at start-up by :mod:`.startup`, which counts
+  them in SGLang's KV budget). Nothing is allocated after start-up: the slots are sized once (a
+  whole context each; admission keeps a batch's de-duplicated pages within one, :mod:`.sharing`);
 * stores the latent rows in SGLang's own fp8 DSA layout when the pool is fp8
   (``dsa_kv_cache_store_fp8``: 512 e4m3 + 4 fp32 scales + 64 bf16 rope = 656 B a token) — upstream's
   layer split asserts that away; the bytes move as uint8, so the broadcasts need no fp8 support;
@@ -37,7 +38,9 @@ pools assume the same.
 Every rank runs the same state machine (which layer each slot holds), independent of ownership,
 because a broadcast is a collective every rank must enter in the same order. Without batch pages (a
 batch the hook did not see: CUDA-graph replay, no ``seq_lens_cpu``) it runs upstream's whole-buffer
-path.
+path (upstream's methods, so they also run on the stand-in objects of SGLang's own unit tests),
+with one intended difference: without a broadcast communicator upstream's prefetch broadcasts at
+once without waiting for HiCache's layer counter (a read before the layer is loaded); ours waits.
 """
 
 from __future__ import annotations
@@ -47,7 +50,7 @@ import logging
 import torch
 
 from lsconfig import envs
-from layersplit.sglang_plugin import compat, metrics, sizing
+from layersplit.sglang_plugin import compat, metrics, sizing, startup
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +65,7 @@ def _wait_index(counter, idx: int) -> None:
 class _Slots:
     """Staging slots for one kind of rows (KV rows, or indexer-key pages), the layer each holds (layer
     l uses slot l % 2), the events guarding broadcasts in flight into them, and (``pool`` landing) the
-    layer last scattered into the landing buffer."""
+    layer last scattered into the landing buffer. Allocated once, at start-up; never grown."""
 
     def __init__(self, kind: str, count: int = 2) -> None:
         self.kind = kind
@@ -70,25 +73,28 @@ class _Slots:
         self.layer: list[int | None] = [None, None]
         self.events: dict[int, object] = {}
         self.landed: int | None = None
-        self.growth_events = 0  # times a batch outgrew the slots (each one an allocation)
-        self.on_growth = None  # called on each
 
-    def reserve(self, rows: int, row_shape: tuple, dtype, device, minimum: int = 0) -> None:
-        for i, buf in enumerate(self.buffers):
-            if buf is None or buf.shape[0] < rows:
-                if buf is not None:
-                    self.growth_events += 1
-                    if self.on_growth is not None:
-                        self.on_growth()
-                    log.info("layersplit: a batch of %d %s rows exceeds the staging slots (%d); growing them",
-                             rows, self.kind, buf.shape[0])
-                self.buffers[i] = torch.empty((max(rows, minimum), *row_shape), dtype=dtype, device=device)
+    def allocate(self, rows: int, row_shape: tuple, dtype, device) -> None:
+        self.buffers = [torch.empty((rows, *row_shape), dtype=dtype, device=device) for _ in self.buffers]
+
+    def check_fits(self, rows: int) -> None:
+        capacity = self.buffers[0].shape[0]
+        if rows > capacity:  # admission (sharing.around_add_one_req) keeps every batch within a slot
+            raise RuntimeError(f"layersplit: a batch of {rows} {self.kind} rows exceeds the staging slot of "
+                               f"{capacity} rows sized at start-up; batches reach the pool through SGLang's "
+                               "PrefillAdder, which the plug-in's admission hook limits to a slot")
 
     def forget(self) -> None:
         self.layer, self.landed = [None, None], None
 
     def nbytes(self) -> int:
         return sum(b.numel() * b.element_size() for b in self.buffers if b is not None)
+
+
+def _ours(obj) -> bool:
+    """Whether ``obj`` carries the plug-in pool's state (SGLang's unit tests call the pool's methods
+    on stand-in objects that hold only upstream's attributes: those get upstream's methods)."""
+    return getattr(obj, "_kv", None) is not None
 
 
 def make_index_cache_class(base: type | None = None) -> type:
@@ -107,12 +113,11 @@ def make_index_cache_class(base: type | None = None) -> type:
             self.remote_buffer = None
             self.remote_layer_id = None
 
-        def ensure_pool_landing(self) -> None:
-            if self.remote_buffer is None:
-                num_pages = (self.pool.index_buf_size + self.pool.page_size + 1) // self.pool.page_size
-                self.remote_buffer = torch.empty(self._buffer_shape(num_pages),
-                                                 dtype=self.pool.index_k_with_scale_buffer_dtype,
-                                                 device=self.pool.device)
+        def move(self, tgt_loc: torch.Tensor, src_loc: torch.Tensor) -> None:
+            """Token locations -> the tokens' bytes inside their pages (keys, then scales), owned
+            layers only: SGLang's ``IndexKeyCache.move``. Upstream's layer-split override indexes page
+            rows by token location (an ``IndexError`` past the page count, wrong rows below it)."""
+            compat.resolve("index_key_cache").move(self, tgt_loc, src_loc)
 
         def get_buffer(self, layer_id: int) -> torch.Tensor:
             _wait_index(self.pool.layer_transfer_counter, layer_id - self.pool.start_layer)
@@ -120,9 +125,10 @@ def make_index_cache_class(base: type | None = None) -> type:
 
         def get_broadcastable_buffer(self, layer_id: int) -> torch.Tensor:
             pool = self.pool
-            if pool.forward_pages is None:
-                pool.ensure_pool_landing()
-                return super().get_broadcastable_buffer(layer_id)  # whole buffer, upstream
+            if not _ours(pool) or pool.forward_pages is None:
+                if _ours(pool):
+                    pool.require_pool_landing()
+                return base.get_broadcastable_buffer(self, layer_id)  # whole buffer, upstream
             local = layer_id - pool.start_layer
             owned = pool._is_layer_owned(layer_id)
             if self.remote_layer_id != layer_id:
@@ -157,15 +163,14 @@ def make_pool_class(base: type | None = None, index_cache_base: type | None = No
             # bytes this rank entered into broadcasts: KV rows, prefix index pages (off the critical
             # path when prefetched), new-token index pages (on it)
             self.broadcast_bytes = {"kv": 0, "index_prefix": 0, "index_new": 0}
-            self.pool_landing_allocations = 0
             self.metrics = metrics.shared()
-            self._staging_rows = envs.sglang_scratch_tokens()
+            self.startup_plan = startup.current()  # made by the budget hook; None outside a server
+            if self.startup_plan is not None:
+                self.landing = self.landing_now = self.startup_plan.landing
             self._unsafe_skip = envs.sglang_unsafe_skip()
             super().__init__(*args, layer_shard_rank=layer_shard_rank, layer_shard_size=layer_shard_size, **kwargs)
-            self._index.reserve(self._slot_pages(), self._index_row_shape(), self.index_k_with_scale_buffer_dtype,
-                                self.device)
-            self._kv.on_growth = lambda: self.metrics.add("growth", "kv", 1)
-            self._index.on_growth = lambda: self.metrics.add("growth", "index", 1)
+            self._allocate_index_slots()
+            self._check_counted()
             self.publish_capacity()
             log.info("layersplit: %s landing; staging 2 x %d KV rows + 2 x %d index pages = %.3f GB",
                      self.landing, self._kv.buffers[0].shape[0], self._slot_pages(), self.staging_bytes() / 1e9)
@@ -184,21 +189,58 @@ def make_pool_class(base: type | None = None, index_cache_base: type | None = No
 
         # buffers -------------------------------------------------------------------------------
         def _slot_pages(self) -> int:
-            return sizing.slot_pages(self._staging_rows, self.size, self.page_size)
+            """The start-up plan's slot pages; without one (a pool built outside a server),
+            ``LAYERSPLIT_SGLANG_SCRATCH_TOKENS`` rows, at most the pool's."""
+            if self.startup_plan is not None:
+                return self.startup_plan.slot_pages
+            return sizing.slot_pages(envs.sglang_scratch_tokens(), self.size, self.page_size)
+
+        def _check_counted(self) -> None:
+            """The bytes allocated beside the owned layers are the ones the budget hook charged."""
+            plan = self.startup_plan
+            if plan is None:
+                return
+            row_bytes = self.kv_cache_dim * torch._utils._element_size(self.store_dtype)
+            index_bytes = self._index.buffers[0][0].numel() * self._index.buffers[0].element_size()
+            assert (row_bytes, index_bytes) == (plan.kv_row_bytes, plan.index_page_bytes), \
+                f"staging rows {(row_bytes, index_bytes)} differ from the budget's {plan}"
+            assert self.staging_bytes() == plan.staging_bytes + plan.remap_bytes(self.size), \
+                (self.staging_bytes(), plan.staging_bytes + plan.remap_bytes(self.size))
 
         def _index_row_shape(self) -> tuple:
             return tuple(self.index_key_cache._buffer_shape(1)[1:])
 
         def _create_buffers(self):
+            """Owned layers (+ upstream's landing layer, ``pool`` landing), both KV staging slots and
+            the remap table: all at start-up, in the KV memory-saver region and ``custom_mem_pool``."""
             if self.landing == "pool":
                 super()._create_buffers()
             else:
                 self._create_owned_buffers()
-            rows = self._slot_pages() * self.page_size
-            self._kv.reserve(rows, (1, self.kv_cache_dim), self.store_dtype, self.device)
-            if self.landing == "batch":
-                self._slot_of_page = torch.zeros(sizing.remap_pages(self.size, self.page_size), dtype=torch.int64,
-                                                 device=self.device)
+            with self._kv_region():
+                self._kv.allocate(self._slot_pages() * self.page_size, (1, self.kv_cache_dim), self.store_dtype,
+                                  self.device)
+                if self.landing == "batch":
+                    self._slot_of_page = torch.zeros(sizing.remap_pages(self.size, self.page_size),
+                                                     dtype=torch.int64, device=self.device)
+
+        def _allocate_index_slots(self) -> None:
+            """The indexer-key slots (after upstream's constructor set the index geometry)."""
+            with self._kv_region():
+                self._index.allocate(self._slot_pages(), self._index_row_shape(), self.index_k_with_scale_buffer_dtype,
+                                     self.device)
+
+        def _kv_region(self):
+            """SGLang's KV memory-saver region and ``custom_mem_pool``, where upstream allocates its pool."""
+            import contextlib
+
+            from sglang.srt.mem_cache.memory_pool import GPU_MEMORY_TYPE_KV_CACHE
+
+            stack = contextlib.ExitStack()
+            stack.enter_context(self.memory_saver_adapter.region(GPU_MEMORY_TYPE_KV_CACHE))
+            if self.custom_mem_pool:
+                stack.enter_context(torch.cuda.use_mem_pool(self.custom_mem_pool))
+            return stack
 
         def _create_owned_buffers(self) -> None:
             """Upstream's owned-only layer buffers, broadcast stream and communicator, without the
@@ -221,17 +263,13 @@ def make_pool_class(base: type | None = None, index_cache_base: type | None = No
             self.kv_broadcast_stream = self.device_module.Stream()
             self._init_layer_broadcast_comm()
 
-        def ensure_pool_landing(self) -> None:
-            """Upstream's pool-sized landing buffers (KV and index keys), allocated on first use
-            where ``batch`` landing was configured (logged: it costs one layer of KV capacity)."""
+        def require_pool_landing(self, reason: str = "upstream's whole-buffer path") -> None:
+            """Upstream's landing layer exists only where the start-up plan chose ``pool`` landing
+            (and counted it); a forward that needs it in a ``batch`` pool is a start-up plan error."""
             if self.remote_kv_buffer is None:
-                self.remote_kv_buffer = torch.empty((self.size + self.page_size, 1, self.kv_cache_dim),
-                                                    dtype=self.store_dtype, device=self.device)
-                self.pool_landing_allocations += 1
-                self.metrics.add("growth", "pool_landing", 1)
-                log.warning("layersplit: allocated the pool-sized landing buffer (%.3f GB) for a forward the "
-                            "batch-sized landing does not cover", self.remote_kv_buffer.nbytes / 1e9)
-            self.index_key_cache.ensure_pool_landing()
+                raise RuntimeError(f"layersplit: {reason} needs upstream's pool-sized landing layer, which the "
+                                   "start-up plan did not allocate (batch landing); the start-up checks "
+                                   "(layersplit/sglang_plugin/startup.py) should have chosen pool landing")
 
         @property
         def kv_staging(self) -> list[torch.Tensor]:
@@ -258,7 +296,7 @@ def make_pool_class(base: type | None = None, index_cache_base: type | None = No
 
         # the forward batch's pages -------------------------------------------------------------
         def set_batch_pages(self, prefix_pages: torch.Tensor, new_pages: torch.Tensor,
-                            landing: str | None = None) -> None:
+                            landing: str | None = None, reason: str | None = None) -> None:
             """The next forward reads ``prefix_pages`` (only cached tokens) and ``new_pages`` (pages its
             new tokens are written to): device int64 page ids, as the hook builds them from SGLang's
             own tables (trusted: not validated here, which would read them on the host). Every CP rank
@@ -266,12 +304,11 @@ def make_pool_class(base: type | None = None, index_cache_base: type | None = No
             self._reset_forward()
             self.landing_now = landing or self.landing
             if self.landing_now == "pool":
-                self.ensure_pool_landing()
+                self.require_pool_landing(reason or "a forward with pool landing")
             pages = torch.cat([prefix_pages, new_pages])
             rows = (pages[:, None] * self.page_size + torch.arange(self.page_size, device=pages.device)).flatten()
-            self._kv.reserve(rows.numel(), (1, self.kv_cache_dim), self.store_dtype, self.device)
-            self._index.reserve(pages.numel(), self._index_row_shape(), self.index_k_with_scale_buffer_dtype,
-                                self.device)
+            self._index.check_fits(pages.numel())
+            self._kv.check_fits(rows.numel())
             if self.landing_now == "batch":  # page -> its position in the slots (a repeated page: either)
                 assert self._slot_of_page is not None, "batch landing in a pool configured for pool landing"
                 self._slot_of_page.index_copy_(0, pages, torch.arange(pages.numel(), device=pages.device))
@@ -472,9 +509,16 @@ def make_pool_class(base: type | None = None, index_cache_base: type | None = No
 
         # what SGLang calls --------------------------------------------------------------------
         def prefetch_kv_buffer(self, layer_id: int, layer_transfer_counter=None, layer_transfer_idx=None) -> None:
+            if not _ours(self):  # a stand-in of SGLang's unit tests: upstream's method
+                return base.prefetch_kv_buffer(self, layer_id, layer_transfer_counter, layer_transfer_idx)
             if self.forward_pages is None:
-                self.ensure_pool_landing()
-                return super().prefetch_kv_buffer(layer_id, layer_transfer_counter, layer_transfer_idx)
+                self.require_pool_landing()
+                if self.layer_broadcast_comm is None and layer_transfer_counter is not None \
+                        and layer_transfer_idx is not None and "load_wait" not in self._unsafe_skip:
+                    # hazard: upstream's synchronous prefetch broadcasts the owner's layer before HiCache
+                    # finished loading it (read-before-ready); wait for the layer first
+                    layer_transfer_counter.wait_until(layer_transfer_idx)
+                return base.prefetch_kv_buffer(self, layer_id, layer_transfer_counter, layer_transfer_idx)
             # the indexer reads first: its prefix pages go first on the broadcast stream
             if self._prefix_pages.numel() and self._has_index(layer_id) and not self._has(self._index, layer_id) \
                     and self.index_key_cache.remote_layer_id != layer_id:
@@ -483,9 +527,10 @@ def make_pool_class(base: type | None = None, index_cache_base: type | None = No
                 self._fetch(layer_id, layer_transfer_counter, layer_transfer_idx)
 
         def _get_broadcastable_kv_buffer(self, layer_id: int):
-            if self.forward_pages is None:
-                self.ensure_pool_landing()
-                return super()._get_broadcastable_kv_buffer(layer_id)
+            if not _ours(self) or self.forward_pages is None:
+                if _ours(self):
+                    self.require_pool_landing()
+                return base._get_broadcastable_kv_buffer(self, layer_id)
             if not self._holds(self._kv, layer_id):
                 self._land(layer_id)
             if self._is_layer_owned(layer_id):
