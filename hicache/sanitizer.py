@@ -22,7 +22,11 @@ them): each submitted op carries the submitting host's clock; ``record`` snapsho
 clock into that record (keyed per record, not per event object); ``wait_event`` joins it into the
 waiting stream; ``Event.synchronize``, a ``query()`` that returns True and ``Stream.synchronize``
 join it into the host. Implicit syncs (``.item()``, ``.tolist()``) are *not* edges: code that relies
-on one must synchronize the stream or event explicitly.
+on one must synchronize the stream or event explicitly. Host reads the dispatcher never sees
+(``.tolist()``, ``.numpy()``) and device-to-host copies (``.cpu()``, ``.to("cpu", non_blocking=True)``,
+modelled as CUDA runs them: a copy on the issuing stream into pinned memory) are in
+:mod:`hicache.sanitizer_host`; a blocking copy is the one implicit sync that is an edge (its result is
+finished when the host gets it).
 
 **Memory.** Accesses are byte ranges of a storage: a view's extent, refined to the rows an integer
 index selects along dim 0 (``pages[ids]``, ``index_put_``, ``index_select``, ``index_copy_``), so
@@ -63,7 +67,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from hicache.sanitizer_access import COPIES, SKIP, byte_ranges, index_rows, is_host, op_accesses, where
-from hicache.sanitizer_access import mark_host_memory  # noqa: F401 - part of this module's API
+from hicache.sanitizer_access import mark_host_memory  # part of this module's API
+from hicache import sanitizer_host
 
 _active: "Sanitizer | None" = None
 _CURRENT_STREAM = None  # set by a torch.cuda-shaped device module: the calling host thread's current stream
@@ -139,7 +144,11 @@ class _Mode(TorchDispatchMode):
         with self.san.host_op_in_stream_order():
             inputs = self.san.parse_inputs(func, args, kwargs)
             out = func(*args, **kwargs)
-            self.san.on_op(func, args, inputs, out)
+            self.san._tls.internal = True  # its own host reads (index rows) are not the program's
+            try:
+                self.san.on_op(func, args, inputs, out)
+            finally:
+                self.san._tls.internal = False
         return out
 
 
@@ -298,6 +307,34 @@ class Sanitizer:
                 site = where()
                 for (t, rows), write in [*((r, False) for r in reads), *((w, True) for w in writes)]:
                     self._access(t, rows, _Access(0, 0, agent, seq, write, name, site), state)
+
+    # host reads the dispatcher does not see (hicache.sanitizer_host) ------------------------------
+    def internal(self) -> bool:
+        return getattr(self._tls, "internal", False) or getattr(self._tls, "opaque", False)
+
+    def is_host_memory(self, t: torch.Tensor) -> bool:
+        storage = t.untyped_storage()
+        return is_host(storage.data_ptr(), storage)
+
+    def host_read(self, t: torch.Tensor, name: str) -> None:
+        """``t.tolist()`` / ``t.numpy()``: a read of its bytes by the agent that runs it."""
+        if not self.internal():
+            self.declare(name, [(t, None)], ())
+
+    def to_host(self, copy, blocking: bool) -> torch.Tensor:
+        """A D2H copy (``copy()`` makes it: an ``_to_copy`` the dispatch mode sees as a read of the
+        source and a write of a fresh buffer by the issuing agent) into pinned host memory; blocking:
+        the host is ordered after the issuing stream (not inside a worker's op: no host waits there)."""
+        out = copy()
+        mark_host_memory(out)
+        with self._lock:
+            hist = self._storages.get(out.untyped_storage().data_ptr())
+            if hist is not None:
+                hist.alloc_agent = None  # the pinned host allocator fences its own reuse
+            stream = getattr(self._tls, "stream", None)
+            if blocking and stream is not None and getattr(self._tls, "submit", None) is None:
+                self._join(self.host_agent(), self._state(stream))
+        return out
 
     def record_stream(self, tensor: torch.Tensor, stream) -> None:
         with self._lock:
@@ -474,6 +511,7 @@ def enable() -> Sanitizer:
     if _active is None:
         _active = Sanitizer()
         _active._enter_mode()
+        sanitizer_host.install(current)
     return _active
 
 
@@ -481,6 +519,7 @@ def disable() -> Sanitizer | None:
     """Stop sanitizing; returns the sanitizer with its hazards."""
     global _active
     san, _active = _active, None
+    sanitizer_host.uninstall()
     mode = getattr(san._tls, "mode", None) if san is not None else None
     if mode is not None:
         san._tls.mode = None

@@ -38,7 +38,7 @@ from typing import Callable
 
 import torch
 
-from hicache import sanitizer
+from hicache import sanitizer, syncs
 
 DelayHook = Callable[[str, str], float]  # (stream name, op name) -> seconds to stall before the op
 
@@ -129,6 +129,10 @@ class EmulatedStream:
         if san is not None:  # the op carries the submitting host's clock; accesses are this stream's
             submit, op = san.submit_state(), fn
             fn = lambda: san.run_op(self, submit, op)  # noqa: E731
+        guard = syncs.current()
+        if guard is not None:  # a host sync inside a stream op blocks the host that submits it on a GPU
+            counted = fn
+            fn = lambda: guard.run_op(counted)  # noqa: E731
         self._queue.put(fn)
 
     def _record(self, marker: _Marker) -> None:
