@@ -48,6 +48,9 @@ def add_parser(sub: argparse._SubParsersAction, _int_at_least) -> None:
                    help="requests per prefill batch (each may end in a partial scratch page)")
     p.add_argument("--ownership", choices=STRATEGIES, default=_DEFAULTS.ownership,
                    help="which rank owns which layers (default contiguous, as upstream SGLang)")
+    p.add_argument("--no-mtp", action="store_true",
+                   help="leave the MTP layer's weights out of the budget (default: counted, as loaded for "
+                        "speculative decoding)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=_run_plan)
 
@@ -63,8 +66,9 @@ def _format_plan(r: dict) -> str:
                                             f"{r['index_bytes_per_token_layer']} B on {r['indexer_layers']}/{r['num_layers']} layers"),
         ("HBM as the device reports it", f"{_gib(r['hbm_reported_bytes'])} (datasheet {r['hbm_datasheet_bytes'] / 1e9:.0f} GB)"),
         ("reserved: activations, graphs, NCCL", f"{_gib(r['hbm_reserved_bytes'])} (1 - mem fraction {r['mem_fraction']})"),
-        ("weights replicated on every rank", f"{_gib(r['weight_bytes_replicated'])} ({r['weight_dtype']}; "
-                                             f"placement {r['weight_placement']})"),
+        ("weights replicated on every rank", f"{_gib(r['weight_bytes_replicated'])} ({r['weight_dtype']}, embedding "
+                                             f"and LM head bf16; placement {r['weight_placement']}; MTP layer "
+                                             f"{'counted' if r['weight_mtp_counted'] else 'not counted'})"),
         ("weights split over EP", f"{_gib(r['weight_bytes_expert_parallel'])} ({r['param_count'] / 1e9:,.1f}B params "
                                   f"in all; {r['weight_shards']} shards)"),
         ("KV budget per rank", f"{_gib(r['kv_budget_bytes_per_rank'])} (reported HBM x {r['mem_fraction']} - weights)"),
@@ -78,15 +82,25 @@ def _format_plan(r: dict) -> str:
                                             f"{_gib(r['sglang_plugin_staging_bytes'])} batch-sized staging, "
                                             f"batch landing; pool landing: "
                                             f"{r['tokens_per_rank_sglang_plugin_pool_landing']:,})"),
+        ("tokens per rank, KV sharding", f"{r['tokens_per_rank_kv_sharding']:,} (SGLang's page-level sharding as "
+                                         f"designed: 1/{r['cp']} of every layer, {_gib(r['scratch_bytes_kv_sharding'])} "
+                                         f"batch-sized scratch)"),
+        ("tokens per rank, KV sharding shipped", f"{r['tokens_per_rank_kv_sharding_shipped']:,} (0.5.23: "
+                                                 f"{r['kv_sharding_shipped_kv_dtype']} KV required, "
+                                                 f"{_gib(r['scratch_bytes_kv_sharding_shipped'])} scratch for 8 contexts "
+                                                 f"of {r['context_len']:,})"),
         ("capacity ratio", f"{r['capacity_ratio']:.3f}x  (ideal {r['capacity_ratio_ideal']:.3f}x, "
                            f"upstream {r['capacity_ratio_upstream']:.3f}x, "
-                           f"SGLang plug-in {r['sglang_plugin_capacity_ratio']:.3f}x)"),
+                           f"SGLang plug-in {r['sglang_plugin_capacity_ratio']:.3f}x, "
+                           f"KV sharding {r['capacity_ratios']['kv-sharding']:.3f}x, shipped "
+                           f"{r['capacity_ratios']['kv-sharding-shipped']:.3f}x)"),
         ("SGLang plug-in by KV dtype", "; ".join(
             f"{d} {p['tokens_per_rank']:,} tokens = {p['ratio_vs_redundant_bf16']:.3f}x redundant bf16, "
             f"{p['ratio_vs_redundant_fp8']:.3f}x redundant fp8" for d, p in r['sglang_plugin_by_kv_dtype'].items())),
         (f"broadcast per layer @ {r['context_len']:,} ctx", f"{r['broadcast_bytes_per_layer'] / 1e6:,.1f} MB rows "
                                                             f"(upstream pool-sized: {r['broadcast_bytes_per_layer_upstream'] / 1e9:,.2f} GB)"),
-        ("broadcast time per layer (model)", f"{r['broadcast_seconds_per_layer_model'] * 1e3:.3f} ms at NVLink bandwidth"),
+        ("broadcast time per layer (model)", f"{r['broadcast_seconds_per_layer_model'] * 1e3:.3f} ms at "
+                                             f"{r['nvlink_efficiency']:.3f} of NVLink bandwidth (as the cost model)"),
     ]
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
@@ -101,7 +115,7 @@ def _run_plan(args: argparse.Namespace) -> int:
                       max_requests=args.max_requests,
                       context_len=args.context_len, mem_fraction=args.mem_fraction, weight_dtype=args.weight_dtype,
                       weight_shards=args.weight_shards, ownership=args.ownership,
-                      weight_placement=args.weight_placement)
+                      weight_placement=args.weight_placement, mtp=not args.no_mtp)
     try:
         result = capacity_plan(model, hw, req)
     except ValueError as exc:  # the library names its field; the user typed the flag

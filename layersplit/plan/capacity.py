@@ -32,6 +32,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from dsa_kernels.layout import PAGE_SIZE
+from layersplit.plan import kv_sharding
 from layersplit.plan.config import HardwareConfig, ModelConfig
 from layersplit.engine.ownership import plan_ownership
 from layersplit.sglang_plugin import sizing
@@ -51,12 +52,25 @@ def scratch_pages_for(max_batch_tokens: int, max_requests: int) -> int:
 # redundant-shared-host  the same device layout, one host copy per node that every rank reloads from;
 # upstream-layersplit    SGLang 0.5.23 --enable-dsa-cache-layer-split: owned layers + one pool-sized
 #                        landing layer; whole-buffer broadcast on every read (indexer synchronous);
+# kv-sharding            SGLang's page-level KV sharding as designed (:mod:`layersplit.plan.kv_sharding`):
+#                        1/N of every layer per rank, the batch's prefix pages all-gathered one layer
+#                        ahead into batch-sized double-buffered scratch, each rank reloading its stripe;
+# kv-sharding-shipped    the same as SGLang 0.5.23 ships it: fp8 KV required, scratch for 8 full contexts;
 # sglang-plugin          owned layers + batch-sized staging slots read through remapped page tables
 #                        (batch landing), row-only broadcasts;
 # layersplit             this project's engine: owned layers + two batch-sized scratch slots.
-MODES = ("redundant", "redundant-shared-host", "upstream-layersplit", "sglang-plugin", "layersplit")
+MODES = ("redundant", "redundant-shared-host", "upstream-layersplit", "kv-sharding", "kv-sharding-shipped",
+         "sglang-plugin", "layersplit")
 BROADCAST = {"redundant": None, "redundant-shared-host": None, "upstream-layersplit": "pool",
-             "sglang-plugin": "rows", "layersplit": "rows"}
+             "kv-sharding": "gather", "kv-sharding-shipped": "gather", "sglang-plugin": "rows", "layersplit": "rows"}
+# NVLink bandwidth a collective reaches: ~380 GB/s measured of 450 per direction (DESIGN.md section 2);
+# the plan and the cost model both price broadcasts with it
+NVLINK_EFFICIENCY = 380 / 450
+
+
+def mode_kv_dtype(mode: str, kv_dtype: str) -> str:
+    """The KV dtype ``mode`` runs: SGLang 0.5.23's KV sharding refuses anything but fp8 for DSA models."""
+    return kv_sharding.SHIPPED_KV_DTYPE if mode == "kv-sharding-shipped" else kv_dtype
 
 
 @dataclass(frozen=True)
@@ -69,33 +83,57 @@ class ModeBytes:
     scratch_bytes: int  # batch-sized scratch (layersplit: two slots; plug-in: its staging)
     host_bytes_per_token: int = 0  # host tier: the held layers (0: as ``bytes_per_token``)
     host_pooled_ranks: int = 1  # ranks whose host budgets hold one shared copy (shared host: the CP size)
+    stripe: int = 1  # each rank holds 1/stripe of every held layer's rows (KV sharding: the CP size)
+    kv_dtype: str = "bf16"  # what this mode runs (KV sharding as shipped: fp8 whatever was asked)
 
     @property
     def broadcast(self) -> str | None:
-        """None, 'rows' (the batch's prefix rows) or 'pool' (upstream: the whole landing layer)."""
+        """None, 'rows' (the batch's prefix rows), 'pool' (upstream: the whole landing layer) or
+        'gather' (KV sharding: every rank's stripe of the batch's prefix pages, all-gathered)."""
         return BROADCAST[self.mode]
 
 
 def mode_bytes(model: ModelConfig, cp: int, kv_dtype: str, mode: str, max_batch_tokens: int,
-               max_requests: int, ownership: str = "contiguous") -> ModeBytes:
-    """Bytes per token a rank stores in ``mode`` (one of :data:`MODES`)."""
+               max_requests: int, ownership: str = "contiguous", context_len: int = 131072,
+               chunk_tokens: int | None = None) -> ModeBytes:
+    """Bytes per token a rank stores in ``mode`` (one of :data:`MODES`). ``max_batch_tokens`` is the
+    context one batch reads (it sizes batch-sized scratch); ``context_len`` and ``chunk_tokens`` (new
+    tokens a batch computes; default ``max_batch_tokens``) size KV sharding's scratch as shipped."""
     if mode not in MODES:
         raise ValueError(f"mode: expected one of {MODES}, got {mode!r}")
+    kv_dtype = mode_kv_dtype(mode, kv_dtype)
     per_layer = [model.layer_bytes_per_token(layer, kv_dtype) for layer in range(model.num_layers)]
+    if mode.startswith("kv-sharding"):
+        return _kv_sharding_bytes(model, cp, kv_dtype, mode, per_layer, max_batch_tokens, max_requests,
+                                  context_len, chunk_tokens or max_batch_tokens)
     if mode.startswith("redundant"):
         pooled = cp if mode == "redundant-shared-host" else 1
-        return ModeBytes(mode, sum(per_layer), (tuple(range(model.num_layers)),) * cp, 0, sum(per_layer), pooled)
+        return ModeBytes(mode, sum(per_layer), (tuple(range(model.num_layers)),) * cp, 0, sum(per_layer), pooled,
+                         kv_dtype=kv_dtype)
     held = tuple(plan_ownership(model.num_layers, cp, "contiguous" if mode != "layersplit" else ownership)
                  .owned_layers(r) for r in range(cp))
     owned = max(sum(per_layer[layer] for layer in h) for h in held)
     if mode == "layersplit":
         scratch = 2 * scratch_pages_for(max_batch_tokens, max_requests) * PAGE_SIZE * max(per_layer) if cp > 1 else 0
-        return ModeBytes(mode, owned, held, scratch, owned)
+        return ModeBytes(mode, owned, held, scratch, owned, kv_dtype=kv_dtype)
     if mode == "sglang-plugin":  # batch landing: the remap table (1/8 B a token) is left out of this int
         staging = sglang_plugin_staging_bytes(model, kv_dtype, max_batch_tokens, max_requests) if cp > 1 else 0
-        return ModeBytes(mode, owned, held, staging, owned)
+        return ModeBytes(mode, owned, held, staging, owned, kv_dtype=kv_dtype)
     landing = max(per_layer) if cp > 1 else 0  # one pool-sized layer: a layer's bytes for every pool token
-    return ModeBytes(mode, owned + landing, held, 0, owned)
+    return ModeBytes(mode, owned + landing, held, 0, owned, kv_dtype=kv_dtype)
+
+
+def _kv_sharding_bytes(model: ModelConfig, cp: int, kv_dtype: str, mode: str, per_layer: list[int],
+                       max_batch_context: int, max_requests: int, context_len: int, chunk_tokens: int) -> ModeBytes:
+    """1/N of every layer a token (device and host); scratch as designed (batch-sized) or as shipped."""
+    stripe = kv_sharding.stripe_bytes_per_token(sum(per_layer), cp)
+    if mode == "kv-sharding":
+        scratch = kv_sharding.designed_scratch_bytes(cp, max_batch_context, max_requests, max(per_layer))
+    else:
+        scratch = kv_sharding.shipped_scratch_bytes(cp, context_len, chunk_tokens, model.kv_bytes_per_token(kv_dtype),
+                                                    model.index_head_dim)
+    every = (tuple(range(model.num_layers)),) * cp
+    return ModeBytes(mode, stripe, every, scratch, stripe, stripe=cp, kv_dtype=kv_dtype)
 
 
 def sglang_plugin_staging_bytes(model: ModelConfig, kv_dtype: str, max_batch_tokens: int,
@@ -118,13 +156,34 @@ def sglang_plugin_tokens(budget: float, owned_per_token: int, landing_per_token:
     return max(0, int((budget - staging - 2 * remap) * PAGE_SIZE // (owned_per_token * PAGE_SIZE + remap)))
 
 
-def weights_per_rank(model: ModelConfig, weight_dtype: str, placement: str, shards: int) -> tuple[float, float]:
+def embedding_params(model: ModelConfig) -> int:
+    """Input embedding + LM head (bf16 in the GLM-5 / DeepSeek-V3.2 fp8 checkpoints)."""
+    return 2 * model.vocab_size * model.hidden_size
+
+
+def mtp_params(model: ModelConfig) -> tuple[int, int]:
+    """(replicated, routed-expert) params of the MTP layers: an MLA + indexer + MoE layer each, plus the
+    ``eh_proj`` that joins the embedding and the hidden state (2h x h). Assumed, as in DeepSeek-V3: the
+    MTP layer shares the main model's embedding and LM head, so they are not counted again."""
+    n = model.num_mtp_layers
+    routed = model.n_routed_experts * 3 * model.hidden_size * model.moe_intermediate_size
+    layer = model.attention_params(0) + model.mlp_params(model.first_k_dense) + 2 * model.hidden_size ** 2
+    return n * (layer - routed), n * routed
+
+
+def weights_per_rank(model: ModelConfig, weight_dtype: str, placement: str, shards: int,
+                     mtp: bool = True) -> tuple[float, float]:
     """(replicated, split) weight bytes on one rank: ``ep`` replicates everything but the routed
-    experts, which ``shards`` ranks split; ``even`` splits everything."""
+    experts, which ``shards`` ranks split; ``even`` splits everything. Embedding and LM head stay
+    bf16 whatever ``weight_dtype`` is; ``mtp`` counts the MTP layers (loaded for speculative decoding)."""
     per_param = WEIGHT_BYTES[weight_dtype]
+    embed = embedding_params(model)
+    embed_extra = embed * (WEIGHT_BYTES["bf16"] - per_param) if per_param else 0.0  # bf16, not weight_dtype
+    mtp_rep, mtp_routed = mtp_params(model) if mtp else (0, 0)
     if placement == "even":
-        return 0.0, model.param_count() * per_param / shards
-    return model.replicated_params() * per_param, model.routed_expert_params() * per_param / shards
+        return 0.0, ((model.param_count() + mtp_rep + mtp_routed) * per_param + embed_extra) / shards
+    replicated = (model.replicated_params() + mtp_rep) * per_param + embed_extra
+    return replicated, (model.routed_expert_params() + mtp_routed) * per_param / shards
 
 
 @dataclass(frozen=True)
@@ -139,6 +198,7 @@ class PlanRequest:
     weight_shards: int | None = None  # None: the CP size
     ownership: str = "contiguous"
     weight_placement: str = "ep"
+    mtp: bool = True  # count the MTP layers' weights (the prefill worker loads them for speculative decoding)
 
 
 def _check(req: PlanRequest) -> None:
@@ -186,7 +246,7 @@ def capacity_plan(model: ModelConfig, hw: HardwareConfig, req: PlanRequest) -> d
     redundant = mode_bytes(model, req.cp, req.kv_dtype, "redundant", req.max_batch_tokens, req.max_requests)
     split = mode_bytes(model, req.cp, req.kv_dtype, "layersplit", req.max_batch_tokens, req.max_requests, req.ownership)
     shards = req.weight_shards or req.cp
-    replicated, expert_parallel = weights_per_rank(model, req.weight_dtype, req.weight_placement, shards)
+    replicated, expert_parallel = weights_per_rank(model, req.weight_dtype, req.weight_placement, shards, req.mtp)
     weight_bytes = replicated + expert_parallel
     hbm = hw.hbm_reported_bytes
     budget = hbm * req.mem_fraction - weight_bytes
@@ -208,6 +268,9 @@ def capacity_plan(model: ModelConfig, hw: HardwareConfig, req: PlanRequest) -> d
         raise ValueError(f"context_len: expected <= {tokens_layersplit:,} tokens (what one LayerSplit rank's pool "
                          f"holds), got {req.context_len:,}")
     tokens_upstream = int(budget // upstream_per_token)
+    sharding = {m: mode_bytes(model, req.cp, req.kv_dtype, m, req.max_batch_tokens, req.max_requests,
+                              context_len=req.context_len) for m in ("kv-sharding", "kv-sharding-shipped")}
+    tokens_sharding = {m: max(0, int((budget - mb.scratch_bytes) // mb.bytes_per_token)) for m, mb in sharding.items()}
     plugin = {dtype: _plugin_capacity(model, req, budget, dtype) for dtype in ("bf16", "fp8")}
     mine = plugin[req.kv_dtype]
     plugin_staging, tokens_plugin = mine["staging_bytes"], mine["tokens_per_rank"]
@@ -245,13 +308,28 @@ def capacity_plan(model: ModelConfig, hw: HardwareConfig, req: PlanRequest) -> d
         "sglang_plugin_capacity_ratio_fp8_vs_redundant_bf16": plugin["fp8"]["ratio_vs_redundant_bf16"],
         "sglang_plugin_capacity_ratio_fp8_vs_redundant_fp8": plugin["fp8"]["ratio_vs_redundant_fp8"],
         "capacity_ratio_ideal": redundant_per_token / owned_per_token,
+        # SGLang's page-level KV sharding: as designed (batch-sized scratch) and as 0.5.23 ships it (fp8
+        # KV, scratch for 8 full contexts of context_len); the shipped one's ratio is against redundant at
+        # the requested dtype, so with bf16 asked it includes fp8's 1.6x
+        "bytes_per_token_kv_sharding": sharding["kv-sharding"].bytes_per_token,
+        "scratch_bytes_kv_sharding": sharding["kv-sharding"].scratch_bytes,
+        "tokens_per_rank_kv_sharding": tokens_sharding["kv-sharding"],
+        "bytes_per_token_kv_sharding_shipped": sharding["kv-sharding-shipped"].bytes_per_token,
+        "scratch_bytes_kv_sharding_shipped": sharding["kv-sharding-shipped"].scratch_bytes,
+        "tokens_per_rank_kv_sharding_shipped": tokens_sharding["kv-sharding-shipped"],
+        "kv_sharding_shipped_kv_dtype": sharding["kv-sharding-shipped"].kv_dtype,
+        "kv_sharding_shipped_requires": list(kv_sharding.SHIPPED_REQUIREMENTS),
         "capacity_ratios": {"redundant": 1.0,
                             "upstream-layersplit": tokens_upstream / tokens_redundant if tokens_redundant else 0.0,
+                            "kv-sharding": tokens_sharding["kv-sharding"] / tokens_redundant if tokens_redundant else 0.0,
+                            "kv-sharding-shipped": tokens_sharding["kv-sharding-shipped"] / tokens_redundant
+                            if tokens_redundant else 0.0,
                             "sglang-plugin": tokens_plugin / tokens_redundant if tokens_redundant else 0.0,
                             "layersplit": tokens_layersplit / tokens_redundant if tokens_redundant else 0.0},
         "context_len": req.context_len,
         "broadcast_bytes_per_layer": rows_bytes,
         "broadcast_bytes_per_layer_upstream": tokens_upstream * max(per_layer),
-        "broadcast_seconds_per_layer_model": rows_bytes / hw.nvlink_bandwidth,
+        "broadcast_seconds_per_layer_model": rows_bytes / (hw.nvlink_bandwidth * NVLINK_EFFICIENCY),
+        "nvlink_efficiency": NVLINK_EFFICIENCY, "weight_mtp_counted": req.mtp,
         "request": asdict(req),
     }

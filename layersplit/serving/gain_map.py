@@ -21,7 +21,8 @@ from layersplit.serving.sweep import SEED_GAIN, run_sweep
 from layersplit.serving.sweep_config import SweepConfig
 
 COMPARE = (("redundant", "gain_vs_redundant"), ("redundant-shared-host", None),
-           ("upstream-layersplit", "gain_vs_upstream"))
+           ("upstream-layersplit", "gain_vs_upstream"), ("kv-sharding", "gain_vs_kv_sharding"),
+           ("kv-sharding-shipped", None))
 LABEL = {"sessions": "concurrent sessions", "host_gb": "host tier per GPU (GB)"}
 
 
@@ -81,7 +82,7 @@ def write_table(rows: list[dict], cfg: SweepConfig, axis: str, values: list[floa
         lines += [f"**vs {peer}**", "", f"| {LABEL[axis]} | " + " | ".join(f"{n // 1000}k" for n in cfg.lengths) + " |",
                   "|---|" + "---|" * len(cfg.lengths)]
         for i, v in enumerate(values):
-            cells = [f"{g:+.0f}%{'*' if (i, j) in marks else ''}" for j, g in enumerate(grid[i])]
+            cells = [f"{g:+.1f}%{'*' if (i, j) in marks else ''}" for j, g in enumerate(grid[i])]
             lines.append(f"| {v:g} | " + " | ".join(cells) + " |")
         lines.append("")
     path.write_text("\n".join(lines))
@@ -94,8 +95,12 @@ def plot_map(rows: list[dict], cfg: SweepConfig, axis: str, values: list[float],
     import matplotlib.pyplot as plt
 
     peers = [p for p, _ in COMPARE if f"gain_vs_{p}" in rows[0]]
-    fig, axes = plt.subplots(1, len(peers), figsize=(5.2 * len(peers), 4.2), squeeze=False)
-    for ax, peer in zip(axes[0], peers):
+    cols = min(3, len(peers))
+    rows_n = -(-len(peers) // cols)
+    fig, axes = plt.subplots(rows_n, cols, figsize=(5.2 * cols, 4.2 * rows_n), squeeze=False)
+    for ax in axes.flat[len(peers):]:
+        ax.axis("off")
+    for ax, peer in zip(axes.flat, peers):
         grid = _grid(rows, axis, f"gain_vs_{peer}", values, cfg.lengths)
         im = ax.imshow(grid, cmap="RdYlGn", vmin=-max(50, max(map(max, grid))), vmax=max(50, max(map(max, grid))),
                        aspect="auto", origin="lower")

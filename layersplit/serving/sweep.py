@@ -17,7 +17,7 @@ from pathlib import Path
 
 from layersplit.plan.capacity import MODES, PlanRequest, capacity_plan, mode_bytes
 from layersplit.plan.config import load_hardware, load_model
-from layersplit.serving.cost_model import CostModel
+from layersplit.serving.cost_model import CostModel, Efficiency
 from layersplit.serving.serving import ServingLoop
 from layersplit.serving.sweep_config import SweepConfig
 from layersplit.serving.sweep_engines import ModelEngine, RealEngine
@@ -33,20 +33,29 @@ class Setup:
     model: object
     hw: object
     device_bytes: float
+    eff: Efficiency = Efficiency()
 
 
-def setup(cfg: SweepConfig) -> Setup:
-    model, hw = load_model(cfg.model), load_hardware(cfg.hardware)
+def setup(cfg: SweepConfig, hw=None, eff: Efficiency | None = None) -> Setup:
+    """``hw`` / ``eff``: other hardware or efficiencies than the config's (the sensitivity runs)."""
+    model, hw = load_model(cfg.model), hw or load_hardware(cfg.hardware)
     device = cfg.device_kv_bytes_per_rank
     if not device:
         device = capacity_plan(model, hw, PlanRequest(cp=cfg.cp, kv_dtype=cfg.kv_dtype))["kv_budget_bytes_per_rank"]
-    return Setup(cfg, model, hw, device)
+    return Setup(cfg, model, hw, device, eff or Efficiency())
+
+
+def point_bytes(s: Setup, mode: str):
+    c = s.cfg
+    return mode_bytes(s.model, c.cp, c.kv_dtype, mode, c.scaled(c.max_batch_context), c.max_batch_requests,
+                      c.ownership if mode == "layersplit" else "contiguous", c.scaled(c.context_len),
+                      c.scaled(c.max_batch_tokens))
 
 
 def plan_point(s: Setup, length: int, mode: str):
     """Counted part of one point (engine-independent): capacities, requests, batches."""
     c = s.cfg
-    mb = mode_bytes(s.model, c.cp, c.kv_dtype, mode, c.scaled(c.max_batch_context), c.max_batch_requests)
+    mb = point_bytes(s, mode)
     cap = capacity(mb, s.device_bytes, c.host_bytes_per_rank)
     reqs = make_requests(c.scaled(length), c.new_fraction, c.sessions, c.requests, c.seed)
     loop = ServingLoop(cap, c.scaled(c.max_batch_tokens), c.scaled(c.max_batch_context), c.max_batch_requests)
@@ -82,39 +91,42 @@ def modes_of(cfg: SweepConfig) -> tuple[str, ...]:
     return REAL_MODES if cfg.engine == "real" else MODES
 
 
-def _engine(s: Setup):
+def _engine(s: Setup, modes: tuple[str, ...]):
     cfg = s.cfg
     if cfg.engine == "real":
-        return RealEngine(s.model, cfg.cp, cfg.kv_dtype, cfg.seed)
+        return RealEngine(s.model, cfg.cp, cfg.kv_dtype, cfg.seed, cfg.ownership)
     costs = {}
-    for m in MODES:
-        mb = mode_bytes(s.model, cfg.cp, cfg.kv_dtype, m, cfg.scaled(cfg.max_batch_context), cfg.max_batch_requests)
+    for m in modes:
+        mb = point_bytes(s, m)
         pool = capacity(mb, s.device_bytes, cfg.host_bytes_per_rank).l1_tokens
-        costs[m] = CostModel(s.model, s.hw, cfg.cp, cfg.kv_dtype, mb, pool_tokens=pool)
+        costs[m] = CostModel(s.model, s.hw, cfg.cp, cfg.kv_dtype, mb, s.eff, pool_tokens=pool)
     return ModelEngine(costs)
 
 
 def add_gains(points: list[dict]) -> None:
-    """``gain_vs_redundant`` / ``gain_vs_upstream`` (percent, request tokens/s) of every point of one
-    length; ``gain_pct`` is the first (kept for scripts that read it)."""
+    """``gain_vs_redundant`` / ``gain_vs_upstream`` / ``gain_vs_kv_sharding`` (percent, request
+    tokens/s) of every point of one length; ``gain_pct`` is the first (kept for scripts that read it)."""
     by_mode = {p["mode"]: p["request_tokens_per_s"] for p in points}
     spread = {p["mode"]: p.get("spread_pct", 0.0) for p in points}
     for p in points:
         p["gain_vs_redundant"] = p["gain_pct"] = 100 * (p["request_tokens_per_s"] / by_mode["redundant"] - 1)
-        up = by_mode.get("upstream-layersplit")
-        p["gain_vs_upstream"] = 100 * (p["request_tokens_per_s"] / up - 1) if up else None
+        for key, peer in (("gain_vs_upstream", "upstream-layersplit"), ("gain_vs_kv_sharding", "kv-sharding")):
+            p[key] = 100 * (p["request_tokens_per_s"] / by_mode[peer] - 1) if peer in by_mode else None
         # repeats disagree by more than the gain: the gain is within the noise of this machine
         p["gain_within_noise"] = p.get("repeats", 1) > 1 and p["mode"] != "redundant" and (
             spread[p["mode"]] + spread["redundant"] >= abs(p["gain_vs_redundant"]))
 
 
-def run_sweep(cfg: SweepConfig, progress=None, on_length=None) -> list[dict]:
-    """Every point; ``on_length(points)`` gets each length's points as soon as they are done."""
-    s = setup(cfg)
-    engine, points = _engine(s), []
+def run_sweep(cfg: SweepConfig, progress=None, on_length=None, hw=None, eff: Efficiency | None = None,
+              modes: tuple[str, ...] | None = None) -> list[dict]:
+    """Every point; ``on_length(points)`` gets each length's points as soon as they are done. ``hw``,
+    ``eff``, ``modes``: other hardware, efficiencies or a subset of the modes (model engine)."""
+    s = setup(cfg, hw, eff)
+    modes = modes or modes_of(cfg)
+    engine, points = _engine(s, modes), []
     for length in cfg.lengths:
         done = []
-        for mode in modes_of(cfg):
+        for mode in modes:
             mb, cap, loop, batches = plan_point(s, length, mode)
             runs = engine.run(batches, mode, cfg.repeats)
             totals = [sum(x.seconds for x in costs) for costs in runs]
@@ -133,7 +145,7 @@ def run_sweep(cfg: SweepConfig, progress=None, on_length=None) -> list[dict]:
 
 
 def _pct(x) -> str:
-    return "-" if x is None else f"{x:+.0f}%"
+    return "-" if x is None else f"{x:+.1f}%"
 
 
 def _s(x, digits: int = 2) -> str:
@@ -150,8 +162,8 @@ def table(points: list[dict], cfg: SweepConfig) -> str:
              f"resident, reloaded from host, or recomputed (counted by the serving loop).", "",
              "| length | mode | req tok/s | reusable | L1 | L2 | miss | reloaded/rank (GB) | broadcast (GB) "
              "| compute (s) | recompute (s) | exposed reload (s) | exposed bcast (s) | KV/rank (GB) "
-             "| L1 tokens/rank | batches | spread | vs redundant | vs upstream split |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| L1 tokens/rank | batches | spread | vs redundant | vs upstream split | vs kv-sharding |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for p in points:
         lines.append(f"| {p['length'] // 1000}k | {p['mode']} | {p['request_tokens_per_s']:,.0f} "
                      f"| {p['reusable_fraction']:.0%} | {p['hit_L1']:.0%} | {p['hit_L2']:.0%} | {p['miss']:.0%} "
@@ -159,7 +171,8 @@ def table(points: list[dict], cfg: SweepConfig) -> str:
                      f"| {_s(p['recompute_s'])} | {_s(p['exposed_reload_s'], 3)} | {p['exposed_comm_s']:.3f} "
                      f"| {p['kv_bytes_per_rank'] / 1e9:.3f} | {p['l1_tokens_per_rank']:,} | {p['batches']} "
                      f"| {p['spread_pct']:.0f}% of {p['repeats']} | {_pct(p['gain_vs_redundant'])}"
-                     f"{' (within noise)' if p['gain_within_noise'] else ''} | {_pct(p['gain_vs_upstream'])} |")
+                     f"{' (within noise)' if p['gain_within_noise'] else ''} | {_pct(p['gain_vs_upstream'])} "
+                     f"| {_pct(p.get('gain_vs_kv_sharding'))} |")
     noisy = [p for p in points if p["gain_within_noise"]]
     if noisy:
         lines += ["", f"**Warning**: at {', '.join(f'{n // 1000}k' for n in sorted({p['length'] for p in noisy}))} the spread of "
@@ -211,6 +224,16 @@ def write_outputs(points: list[dict], cfg: SweepConfig, out: Path) -> dict[str, 
     out.mkdir(parents=True, exist_ok=True)
     paths = {"jsonl": out / "points.jsonl", "table": out / "table.md", "plot": out / "throughput.png"}
     paths["jsonl"].write_text("".join(json.dumps(p) + "\n" for p in points))
-    paths["table"].write_text(table(points, cfg))
+    paths["table"].write_text(report(points, cfg))
     plot(points, cfg, paths["plot"])
     return paths
+
+
+def report(points: list[dict], cfg: SweepConfig) -> str:
+    """The table; for the model engine also the sensitivity per length and the calibration table."""
+    if points[0]["kind"] != "modelled":
+        return table(points, cfg)
+    from layersplit.serving import calibration, sensitivity
+
+    return "\n".join([table(points, cfg), sensitivity.lines(sensitivity.sensitivity(cfg, points)),
+                      calibration.table()])

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from lsconfig.config_io import ConfigError, read_yaml
+from layersplit.engine.choices import STRATEGIES
 from layersplit.plan.config import _build, configs_root, load_hardware, load_model
 
 ENGINES = ("real", "model")
@@ -31,6 +32,8 @@ class SweepConfig:
     device_kv_bytes_per_rank: float  # 0: derive from the capacity plan
     host_bytes_per_rank: float
     repeats: int  # measured engine: runs per point (median and spread reported); the model is deterministic
+    ownership: str  # which rank owns which layers in `layersplit` mode (contiguous | round-robin)
+    context_len: int  # the served --context-length (sizes KV sharding's scratch as shipped: 8 contexts)
 
     def scaled(self, tokens: int) -> int:
         return max(1, round(tokens * self.scale))
@@ -60,7 +63,9 @@ def load_sweep(name_or_path: str | Path) -> SweepConfig:
               ("max_batch_context", cfg.max_batch_context >= 1, "an integer >= 1"),
               ("max_batch_requests", cfg.max_batch_requests >= 1, "an integer >= 1 (requests per batch)"),
               ("device_kv_bytes_per_rank", cfg.device_kv_bytes_per_rank >= 0, ">= 0 (0: from the capacity plan)"),
-              ("host_bytes_per_rank", cfg.host_bytes_per_rank >= 0, ">= 0"), ("seed", 0 <= cfg.seed < 2**63, "in [0, 2**63)")]
+              ("host_bytes_per_rank", cfg.host_bytes_per_rank >= 0, ">= 0"), ("seed", 0 <= cfg.seed < 2**63, "in [0, 2**63)"),
+              ("ownership", cfg.ownership in STRATEGIES, f"one of {STRATEGIES}"),
+              ("context_len", cfg.context_len >= max(cfg.lengths), f">= the longest length ({max(cfg.lengths)})")]
     for field_name, ok, expected in checks:
         if not ok:
             raise ConfigError(f"{path}: field '{field_name}': expected {expected}, got {getattr(cfg, field_name)!r}")

@@ -17,8 +17,8 @@ from layersplit.serving.serving import Batch
 class RealEngine:
     measured = True
 
-    def __init__(self, model: ModelConfig, cp: int, kv_dtype: str, seed: int) -> None:
-        self.model, self.cp, self.kv_dtype, self.seed = model, cp, kv_dtype, seed
+    def __init__(self, model: ModelConfig, cp: int, kv_dtype: str, seed: int, ownership: str = "contiguous") -> None:
+        self.model, self.cp, self.kv_dtype, self.seed, self.ownership = model, cp, kv_dtype, seed, ownership
 
     def _scenario(self, i: int, batch: Batch, mode: str):
         import torch  # the real engine's imports are heavy: the model engine does not need them
@@ -35,7 +35,7 @@ class RealEngine:
             reqs.append(Request(prefix, tokens, from_host=s.tier == "L2"))
         pages = sum(-(-(r.prefix_len + len(r.new_tokens)) // PAGE_SIZE) for r in reqs)
         cfg = EngineConfig(mode=mode, cp=self.cp, pool_pages=pages, max_batch_tokens=pages * PAGE_SIZE,
-                           max_requests=len(reqs), kv_dtype=self.kv_dtype, trace=True)
+                           max_requests=len(reqs), kv_dtype=self.kv_dtype, trace=True, ownership=self.ownership)
         return Scenario(f"batch{i}", reqs, cfg)
 
     def run(self, batches: list[Batch], mode: str, repeats: int = 1) -> list[list[BatchCost]]:

@@ -135,14 +135,43 @@ def test_budget_terms_by_placement(capsys):
     assert m.routed_expert_params() == 75 * 256 * 3 * 6144 * 2048  # 75 MoE layers x 256 experts
     r = run_json(capsys, "--model", "glm-5", "--cp", "8", "--hardware", "h200")
     assert r["weight_placement"] == "ep" and r["hbm_reported_bytes"] == hw.hbm_reported_bytes
-    assert r["weight_bytes_replicated"] == m.replicated_params()  # fp8: one byte a weight
-    assert r["weight_bytes_expert_parallel"] == m.routed_expert_params() / 8
+    # fp8: one byte a weight, but embedding + LM head stay bf16; the MTP layer (an MLA + indexer + MoE
+    # layer and its 2h x h eh_proj) is loaded too, its routed experts split like the others
+    embed = 2 * 154880 * 6144
+    moe_layer = 3 * 6144 * 12288 // 6 * 257 + 6144 * 256  # 257 experts of 3 x 6144 x 2048, the router
+    routed_mtp = 256 * 3 * 6144 * 2048
+    mtp_replicated = m.attention_params(0) + moe_layer - routed_mtp + 2 * 6144 * 6144
+    assert r["weight_bytes_replicated"] == m.replicated_params() + embed + mtp_replicated
+    assert r["weight_bytes_expert_parallel"] == (m.routed_expert_params() + routed_mtp) / 8
+    no_mtp = run_json(capsys, "--model", "glm-5", "--cp", "8", "--hardware", "h200", "--no-mtp")
+    assert no_mtp["weight_bytes_replicated"] == m.replicated_params() + embed
+    assert 1.3 * 2**30 < r["weight_bytes_per_rank"] - no_mtp["weight_bytes_per_rank"] < 1.5 * 2**30
+    assert no_mtp["kv_budget_bytes_per_rank"] / 2**30 == pytest.approx(21.13, abs=0.01)  # 22.90 GiB before bf16
     assert r["kv_budget_bytes_per_rank"] == pytest.approx(
         hw.hbm_reported_bytes * 0.9 - r["weight_bytes_replicated"] - r["weight_bytes_expert_parallel"])
     assert r["hbm_reserved_bytes"] == pytest.approx(hw.hbm_reported_bytes * 0.1)
     even = run_json(capsys, "--model", "glm-5", "--cp", "8", "--hardware", "h200", "--weight-placement", "even")
-    assert even["weight_bytes_per_rank"] == pytest.approx(m.param_count() / 8)
+    assert even["weight_bytes_per_rank"] == pytest.approx(
+        (m.param_count() + embed + mtp_replicated + routed_mtp) / 8)  # all split, embedding + head at 2 B
     assert even["kv_budget_bytes_per_rank"] > r["kv_budget_bytes_per_rank"] + 15e9  # replicated weights cost ~17 GB
     ratios = r["capacity_ratios"]
-    assert list(ratios) == ["redundant", "upstream-layersplit", "sglang-plugin", "layersplit"]
+    assert list(ratios) == ["redundant", "upstream-layersplit", "kv-sharding", "kv-sharding-shipped", "sglang-plugin",
+                            "layersplit"]
     assert ratios["redundant"] == 1.0 < ratios["upstream-layersplit"] < ratios["sglang-plugin"] <= ratios["layersplit"]
+    # page-level sharding balances 78 layers over 8 ranks exactly (LayerSplit's worst rank owns 10)
+    assert 7.8 > ratios["layersplit"] and ratios["layersplit"] < ratios["kv-sharding"] < 8 < ratios["kv-sharding-shipped"]
+
+
+def test_kv_sharding_bytes_as_read_from_sglang():
+    """1/N of every layer a token; the designed scratch is batch-sized, the shipped one holds 8 full
+    contexts + the chunk + a trash page, two slots, KV + indexer row (fp8, required by its gate)."""
+    from layersplit.plan.capacity import mode_bytes
+
+    m = load_model("glm-5")
+    mb = mode_bytes(m, 8, "bf16", "kv-sharding", 1 << 19, 8)
+    assert mb.bytes_per_token == 78 * 1284 // 8 and mb.stripe == 8 and mb.kv_dtype == "bf16"
+    assert mb.scratch_bytes == 2 * ((1 << 19) // 64 + 8 * 7 + 1) * 64 * 1284
+    shipped = mode_bytes(m, 8, "bf16", "kv-sharding-shipped", 1 << 19, 8, context_len=131072, chunk_tokens=65536)
+    assert shipped.kv_dtype == "fp8" and shipped.bytes_per_token == -(-78 * 788 // 8)
+    assert shipped.scratch_bytes == 2 * (8 * 131072 + 65536 + 64) * (656 + 128 + 4)
+    assert mode_bytes(m, 8, "bf16", "kv-sharding", 1 << 19, 8, context_len=7).scratch_bytes == mb.scratch_bytes

@@ -63,11 +63,13 @@ def test_config_errors(tmp_path):
 
 
 def test_model_sweep_every_peer_breakdown_and_labels(tmp_path, capsys):
-    """All five modes on one workload; gains over redundant and over upstream's layer split per point;
-    the breakdown adds up to the batch time; the shared host pools the ranks' host budgets; upstream
-    broadcasts the whole pool-sized layer, the row modes only the batch's rows."""
+    """All seven modes on one workload; gains over redundant, upstream's layer split and KV sharding
+    per point; the breakdown adds up to the batch time; the shared host pools the ranks' host budgets;
+    upstream broadcasts the whole pool-sized layer, the row modes only the batch's rows, KV sharding
+    gathers (N - 1) / N of its padded span; the sensitivity and calibration tables are printed."""
     points = run(tmp_path, capsys, small(tmp_path, "glm5-h200", lengths=[40000, 120000], requests=96, sessions=24))
-    modes = ["redundant", "redundant-shared-host", "upstream-layersplit", "sglang-plugin", "layersplit"]
+    modes = ["redundant", "redundant-shared-host", "upstream-layersplit", "kv-sharding", "kv-sharding-shipped",
+             "sglang-plugin", "layersplit"]
     for length in (40000, 120000):
         at = {p["mode"]: p for p in points if p["length"] == length}
         assert list(at) == modes
@@ -83,9 +85,14 @@ def test_model_sweep_every_peer_breakdown_and_labels(tmp_path, capsys):
         assert at["redundant-shared-host"]["l2_tokens_per_rank"] // 8 == at["redundant"]["l2_tokens_per_rank"]  # one copy per node
         assert at["upstream-layersplit"]["bcast_bytes"] > 5 * at["layersplit"]["bcast_bytes"] > 0
         assert at["redundant"]["bcast_bytes"] == 0
+        assert at["layersplit"]["gain_vs_kv_sharding"] == pytest.approx(
+            100 * (at["layersplit"]["request_tokens_per_s"] / at["kv-sharding"]["request_tokens_per_s"] - 1))
+        assert at["kv-sharding"]["l1_tokens_per_rank"] > at["layersplit"]["l1_tokens_per_rank"]
         assert at["layersplit"]["l1_tokens_per_rank"] > at["upstream-layersplit"]["l1_tokens_per_rank"]
     table = (tmp_path / "out" / "table.md").read_text()
     assert "vs upstream split" in table and "exposed reload" in table and "modelled" in table
+    assert "vs kv-sharding" in table and "Sensitivity (**modelled**)" in table and "Calibration (**model**" in table
+    assert table.count("- 40k: vs redundant") == 1 and "- 120k: vs redundant" in table
 
 
 def test_points_written_as_lengths_finish(tmp_path, capsys, monkeypatch):
@@ -95,15 +102,18 @@ def test_points_written_as_lengths_finish(tmp_path, capsys, monkeypatch):
     seen = []
     real = sweep.run_sweep
 
-    def spy(cfg, progress=None, on_length=None):
+    def spy(cfg, progress=None, on_length=None, **other):
+        if on_length is None:  # the sensitivity's own runs
+            return real(cfg, progress, **other)
+
         def hook(points):
             on_length(points)
             seen.append(len((tmp_path / "out" / "points.jsonl").read_text().splitlines()))
-        return real(cfg, progress, hook)
+        return real(cfg, progress, hook, **other)
 
     monkeypatch.setattr(sweep, "run_sweep", spy)
     run(tmp_path, capsys, small(tmp_path, "glm5-h200", lengths=[40000, 80000], requests=32, sessions=8))
-    assert seen == [5, 10]
+    assert seen == [7, 14]
 
 
 def test_gain_map(tmp_path, capsys):
