@@ -4,3 +4,6 @@ without importing the engine."""
 MODES = ("redundant", "layersplit")  # CP KV pool layouts (:mod:`layersplit.engine.cp_pool`)
 SPLITS = ("interleave", "zigzag")  # new-token split over ranks (:mod:`layersplit.engine.batch_plan`)
 STRATEGIES = ("contiguous", "round-robin")  # layer ownership (:mod:`layersplit.engine.ownership`)
+# CP comm schedule (:mod:`layersplit.engine.engine`): the KV broadcast on its own stream and communicator
+# (``overlapped``) or every collective on one FIFO stream (``legacy``, the old order)
+SCHEDULES = ("overlapped", "legacy")

@@ -1,8 +1,22 @@
-"""CP collectives on a dedicated comm stream; every call returns the event that guards its result.
+"""CP collectives on comm streams; every call returns the event that guards its result.
 
-All collectives of a rank run on one FIFO stream, so every rank issues them in the same order
-(a requirement of gloo and NCCL) while the compute stream goes on. On CPU the comm stream is an
-emulated worker thread calling gloo; on CUDA the NCCL calls are queued under the comm stream.
+Two **channels**, each a FIFO stream with its own communicator:
+
+* ``main`` (stream ``comm``, the default process group): the new rows' all-gather and the
+  indexer-key broadcast — what the indexer waits for;
+* ``kv`` (stream ``comm_kv``, a second process group made once per process by :func:`kv_group`):
+  the MLA KV broadcast, which only sparse attention waits for.
+
+Why two: one FIFO stream (or one NCCL communicator, whose collectives run in issue order on its own
+internal stream) would queue layer ``l``'s all-gather behind layer ``l``'s KV broadcast, so the
+indexer, which needs the all-gather, would wait for the KV broadcast too: nothing would overlap.
+Upstream SGLang's layer split also gives its broadcast stream a dedicated NCCL communicator. Each
+communicator sees its collectives in the same order on every rank (the engine issues them in program
+order), which is what gloo and NCCL require; the two never share one. With ``channels=1`` (the
+``legacy`` schedule) both names map to the one ``comm`` stream and group.
+
+On CPU each stream is an emulated worker thread calling gloo; on CUDA the collectives are queued
+under the stream (NCCL runs them after the stream's queued work and the stream waits for them).
 fp8 caches travel as their uint8 page views (gloo has no fp8). With one rank nothing is sent.
 
 Hazards handled here, for every collective:
@@ -12,14 +26,17 @@ Hazards handled here, for every collective:
   or overwrites a receive buffer (a scratch slot) before the compute work queued before the issue;
 * **buffers used on two streams stay alive**: send and receive buffers are ``record_stream``-ed on
   the comm stream, so the caching allocator does not hand their memory to the compute stream while
-  the collective still reads or writes it.
+  the collective still reads or writes it;
+* **the sender's rows may change after the send**: a broadcast also returns the event after which
+  its source was copied into the send buffer (``Sent.source_read``): a writer of those rows on another
+  stream waits for it (the owner's new rows go into the last prefix page its KV broadcast sends).
 
-``unsafe_skip`` ({'compute_wait'}) drops the first edge: for the sanitizer's teeth tests only.
+``unsafe_skip`` ({'compute_wait', 'record_stream'}) drops the first two: for the sanitizer's teeth tests only.
 """
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -28,54 +45,94 @@ from hicache.streams import Event, Runtime
 from layersplit.engine.trace import Tracer
 
 UNSAFE_CHOICES = ("compute_wait", "record_stream")
+CHANNEL_STREAMS = {"main": "comm", "kv": "comm_kv"}
+
+_KV_GROUP: list = []  # the process's second communicator, made once (new_group is collective)
+
+
+def kv_group():
+    """The KV channel's process group: made on first use, by every rank at the same point of its
+    program (engine construction), and reused by every later engine of the process."""
+    if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() == 1:
+        return None
+    if not _KV_GROUP:
+        _KV_GROUP.append(dist.new_group(ranks=list(range(dist.get_world_size()))))
+    return _KV_GROUP[0]
+
+
+class Sent(NamedTuple):
+    done: Event  # the receive buffer is valid (receivers) / the collective finished (sender)
+    source_read: Event  # the sender's source rows were copied out: they may be overwritten now
 
 
 class CPComm:
     def __init__(self, runtime: Runtime, rank: int, world_size: int, tracer: Tracer,
-                 unsafe_skip: frozenset[str] = frozenset()) -> None:
+                 unsafe_skip: frozenset[str] = frozenset(), channels: int = 2) -> None:
         bad = set(unsafe_skip) - set(UNSAFE_CHOICES)
         if bad:
             raise ValueError(f"unsafe_skip: expected a subset of {UNSAFE_CHOICES}, got {sorted(bad)}")
+        if channels not in (1, 2):
+            raise ValueError(f"channels: expected 1 (legacy: one FIFO) or 2, got {channels!r}")
         self.rt, self.rank, self.world_size, self.tracer = runtime, rank, world_size, tracer
-        self.stream = runtime.stream("comm")
         self.compute = runtime.compute_stream()
         self.unsafe_skip = frozenset(unsafe_skip)
+        main = runtime.stream("comm")
+        self.streams = {"main": main, "kv": runtime.stream("comm_kv") if channels == 2 else main}
+        self._groups = {"main": None, "kv": kv_group() if channels == 2 and world_size > 1 else None}
 
-    def _issue(self, name: str, after: list[Event], tensors: list[torch.Tensor], **args) -> None:
+    @property
+    def stream(self):
+        return self.streams["main"]
+
+    def synchronize(self) -> None:
+        for stream in {id(s): s for s in self.streams.values()}.values():
+            stream.synchronize()
+
+    def _issue(self, name: str, channel: str, after: list[Event], tensors: list[torch.Tensor], **args) -> None:
+        stream = self.streams[channel]
         self.tracer.instant(f"issue {name}", "compute", **args)
         if "compute_wait" not in self.unsafe_skip:  # hazard: the compute work queued so far comes first
             issued = self.rt.event()
             issued.record(self.compute)
-            self.stream.wait_event(issued)
+            stream.wait_event(issued)
         for event in after:
-            self.stream.wait_event(event)
+            stream.wait_event(event)
         if "record_stream" not in self.unsafe_skip:  # hazard: no reuse of these while comm uses them
             for t in tensors:
-                self.stream.record_stream(t)
+                stream.record_stream(t)
 
-    def _done(self, name: str, **args) -> Event:
-        self.stream.submit(lambda: self.tracer.instant(f"complete {name}", "comm", **args), name="trace")
+    def _done(self, name: str, channel: str, **args) -> Event:
+        stream = self.streams[channel]
+        self.tracer.stream_instant(f"complete {name}", stream, stream.name, **args)
         event = self.rt.event()
-        event.record(self.stream)
+        event.record(stream)
+        mark = getattr(self.rt, "mark", None)  # a happens-before-tracking runtime names this point
+        if mark is not None:
+            mark(f"complete {name}", stream)
         return event
 
     def broadcast(self, name: str, src: int, send: Callable[[], torch.Tensor], recv: torch.Tensor | None,
-                  after: list[Event] = (), **args) -> Event:
-        """Rank ``src`` sends ``send()`` (built on the comm stream, after ``after``); the others
-        receive into ``recv`` in place. Returns the event after which ``recv`` is valid (and, on
-        ``src``, after which the rows it sent may be overwritten)."""
-        self._issue(name, list(after), [recv] if recv is not None else [], **args)
+                  after: list[Event] = (), channel: str = "main", **args) -> Sent:
+        """Rank ``src`` sends ``send()`` (built on the channel's stream, after ``after``); the others
+        receive into ``recv`` in place."""
+        stream, group = self.streams[channel], self._groups[channel]
+        self._issue(name, channel, list(after), [recv] if recv is not None else [], **args)
+        buf: list[torch.Tensor] = []
+        if self.rank == src:  # the send buffer is built on the stream, in order with the rows' writers
+            stream.submit(lambda: buf.append(send()), name=f"pack {name}")
+        read = self.rt.event()
+        read.record(stream)
 
         def run() -> None:
-            buf = send() if self.rank == src else recv
+            data = buf.pop() if self.rank == src else recv
             if self.world_size > 1:
-                dist.broadcast(buf, src=src)
-        self.stream.submit(run, name=name)
-        return self._done(name, **args)
+                dist.broadcast(data, src=src, group=group)
+        stream.submit(run, name=name)
+        return Sent(self._done(name, channel, **args), read)
 
     def all_gather(self, name: str, local: torch.Tensor, out: list[torch.Tensor], **args) -> Event:
         """``out[r] = local`` of rank ``r`` (equal shapes); returns the event after which ``out`` is valid."""
-        self._issue(name, [], [local, *out], **args)
+        self._issue(name, "main", [], [local, *out], **args)
 
         def run() -> None:
             if self.world_size > 1:
@@ -83,4 +140,4 @@ class CPComm:
             else:
                 out[0].copy_(local)
         self.stream.submit(run, name=name)
-        return self._done(name, **args)
+        return self._done(name, "main", **args)

@@ -4,12 +4,25 @@ Per layer ``l`` (``layersplit`` mode; ``redundant`` skips every broadcast and sc
 
 1. project the rank's new tokens; all-gather every rank's new rows (bf16 KV + index key);
 2. owner of ``l``: writes the new rows into its pool and reads the pool. Non-owner: waits for the
-   **indexer-key broadcast** of ``l`` (issued one layer earlier), writes the new index keys into
-   the scratch slot and runs the indexer + top-k — the **KV broadcast** keeps landing meanwhile —
-   then waits for the KV broadcast, writes the new KV rows, runs sparse attention;
-3. output projection; then **layer l+1's broadcasts are issued before layer l's MLP**, so they
-   travel under the MLP (and, for the KV, under the next indexer);
+   all-gather and the **indexer-key broadcast** of ``l`` (issued one layer earlier), writes the new
+   index keys into the scratch slot and runs the indexer + top-k; only then waits for the **KV
+   broadcast** of ``l``, writes the new KV rows and runs sparse attention;
+3. output projection; then **layer l+1's broadcasts are issued before layer l's MLP**;
 4. MLP.
+
+**The overlap, and why it really happens** (``schedule="overlapped"``, the default). The KV broadcast
+runs on its own stream with its own communicator (:mod:`layersplit.engine.comm`, channel ``kv``); the
+all-gather and the index-key broadcast on the other (``main``). So ``bcast_kv[l]``, issued before
+MLP(l-1), travels under MLP(l-1), layer l's projections, its all-gather, index-key write and indexer:
+only the small index-key broadcast and the new rows' all-gather are on the indexer's critical path.
+On one FIFO stream (``schedule="legacy"``) layer l's all-gather would queue behind ``bcast_kv[l]`` and the
+indexer, which waits for the all-gather, would wait for the KV too — whatever the issue order says.
+``RankResult.kv_order`` proves it from the issued program's happens-before order
+(:mod:`hicache.happens_before`): per non-owned layer, the indexer does not happen after the KV
+broadcast's completion and attention does. A second stream and communicator, rather than a
+finer-grained split on one, because a communicator runs its collectives in issue order (NCCL on its
+own internal stream, gloo per group): separating the streams without separating the communicators
+would serialize them again. Both communicators see their collectives in the same order on every rank.
 
 Layers without an indexer reuse the last top-k (positions, mapped through this layer's table).
 The owner gathers only the batch's prefix pages (``plan.bcast_pages``) and, when its prefix rows of
@@ -19,12 +32,17 @@ Stream edges (the compute stream is ``rt.compute_stream()``; every one is remova
 sanitizer's teeth tests through ``unsafe_skip_edges``):
 
 * every collective waits for the compute work queued before its issue (:mod:`layersplit.engine.comm`), and
-  its buffers are ``record_stream``-ed on the comm stream;
+  its buffers are ``record_stream``-ed on its stream;
 * a scratch slot is refilled only after the compute stream recorded its *released* event, after the
   last read of the layer it held (the issue-time wait also orders it);
 * the host-tier reload waits for the poison fill recorded on the compute stream;
-* the owner's new rows of ``l`` land after its send of ``l``: the send precedes ``l``'s all-gather
-  on the FIFO comm stream, which compute waits for first.
+* the owner's new rows of ``l`` land after its sends of ``l`` read them: the index-key send precedes
+  ``l``'s all-gather on the main channel, which compute waits for first; the KV send runs on the
+  other stream, so compute waits for its ``source_read`` event (the send buffer was packed) before
+  writing the new KV rows.
+
+Kernels get contiguous operands (``_rows`` builds each part as its own tensor); the dispatch layer
+checks that contract on every backend, so a CPU run on the torch reference refuses what Triton would.
 """
 
 from __future__ import annotations
@@ -34,14 +52,15 @@ from dataclasses import dataclass, field
 import torch
 
 from dsa_kernels import (gather_pages, indexer_topk, pack_mla_kv, positions_to_slots, quantize_index_keys,
-                         sparse_mla_prefill)
+                         query_block_extents, sparse_mla_prefill)
 from dsa_kernels.layout import PAGE_SIZE
 from hicache.host_pool import DSAHostPool
 from hicache.load_pipeline import LayerwiseLoader
 from hicache import sanitizer
+from hicache.happens_before import HBRuntime
 from hicache.streams import Event, Runtime
 from layersplit.engine.batch_plan import BatchPlan, Request, plan_batch
-from layersplit.engine.comm import CPComm
+from layersplit.engine.comm import CPComm, Sent
 from layersplit.plan.config import ModelConfig, cache_spec
 from layersplit.plan.capacity import scratch_pages_for
 from layersplit.engine.cp_pool import CPPool, ReadBuffers
@@ -54,11 +73,16 @@ POISON = 0xFF
 # collective buffers, the scratch slot's release event (the issue-time wait also covers it: the
 # teeth test removes both), and the load stream's wait for the poison fill
 UNSAFE_EDGES = ("compute_wait", "record_stream", "slot_release", "poison_fence")
+# ``overlapped``: the KV broadcast on its own stream and communicator (only sparse attention waits for
+# it); ``legacy``: every collective on one FIFO stream, where the all-gather the indexer waits for
+# queues behind the KV broadcast (kept to show the difference: the overlap test's teeth, the benchmark)
+from layersplit.engine.choices import SCHEDULES  # noqa: E402 - re-exported
 
 
 @dataclass(frozen=True)
 class EngineConfig:
     mode: str = "layersplit"
+    schedule: str = "overlapped"  # see SCHEDULES
     cp: int = 1
     ownership: str = "contiguous"
     split: str = "zigzag"
@@ -69,6 +93,7 @@ class EngineConfig:
     weight_seed: int = 0
     prefix_seed: int = 1
     hicache_delay_s: float = 0.0  # > 0: prefix rows reload from the host tier with random stalls
+    bcast_kv_delay_s: float = 0.0  # > 0: every KV broadcast stalls this long first (the overlap benchmark)
     unsafe_skip_coherence: bool = False  # UNSAFE: broadcast without waiting for the HiCache load
     # UNSAFE, for the sanitizer's teeth tests: drop a stream edge by name (see UNSAFE_EDGES)
     unsafe_skip_edges: frozenset[str] = frozenset()
@@ -88,6 +113,9 @@ class RankResult:
     bcast_wait_s: float = 0.0  # compute time spent waiting for broadcasts (exposed communication)
     hazards: list[str] | None = None  # stream-ordering hazards (None: not sanitized)
     hazard_kinds: dict[str, int] = field(default_factory=dict)
+    # non-owned layer -> {"indexer": .., "attention": ..}: whether that op happens after the layer's KV
+    # broadcast completed, in the issued program's happens-before order (same on every run and device)
+    kv_order: dict[int, dict[str, bool]] = field(default_factory=dict)
 
 
 def prefix_rows(spec, request_id: int, layer: int, n: int, seed: int) -> tuple[torch.Tensor, ...]:
@@ -114,7 +142,10 @@ def fill_prefix(buffers, layers, plan: BatchPlan, seed: int, only: list[int] | N
 
 class RankEngine:
     def __init__(self, model_cfg: ModelConfig, cfg: EngineConfig, rank: int, runtime: Runtime) -> None:
-        self.cfg, self.rank, self.rt = cfg, rank, runtime
+        if cfg.schedule not in SCHEDULES:
+            raise ValueError(f"schedule: expected one of {SCHEDULES}, got {cfg.schedule!r}")
+        # every stream op, record and wait also feeds the happens-before order (``RankResult.kv_order``)
+        self.cfg, self.rank, self.rt = cfg, rank, HBRuntime(runtime)
         self.model = TinyDSA(model_cfg, cfg.weight_seed, runtime.device)
         self.spec = cache_spec(model_cfg, cfg.kv_dtype)
         self.topk = model_cfg.index_topk
@@ -125,9 +156,10 @@ class RankEngine:
         if bad:
             raise ValueError(f"unsafe_skip_edges: expected a subset of {UNSAFE_EDGES}, got {sorted(bad)}")
         self.unsafe = frozenset(cfg.unsafe_skip_edges)
-        self.tracer = Tracer(rank, cfg.trace)
-        self.comm = CPComm(runtime, rank, cfg.cp, self.tracer, self.unsafe & {"compute_wait", "record_stream"})
-        self.compute = runtime.compute_stream()
+        self.tracer = Tracer(rank, cfg.trace, self.rt)
+        self.comm = CPComm(self.rt, rank, cfg.cp, self.tracer, self.unsafe & {"compute_wait", "record_stream"},
+                           channels=2 if cfg.schedule == "overlapped" else 1)
+        self.compute = self.rt.compute_stream()
         self._released = {}  # scratch slot -> event recorded on compute after the slot's last read
         self._waits: list[tuple[str, Event, Event]] = []  # (name, start, end) timing events on compute
 
@@ -138,7 +170,7 @@ class RankEngine:
         if event is None:
             return
         start, end = self.rt.event(enable_timing=True), self.rt.event(enable_timing=True)
-        with self.tracer.span(f"wait {name}", layer=layer):
+        with self.tracer.span(f"wait {name}", stream=self.compute, layer=layer):
             start.record(self.compute)
             self.compute.wait_event(event)
             end.record(self.compute)
@@ -167,14 +199,22 @@ class RankEngine:
         self.pool.pool.fill_pages(torch.tensor(pages, dtype=torch.int64, device=self.rt.device), POISON)
         poisoned = self.rt.event()  # hazard: the load stream overwrites these pages after the poison
         poisoned.record(self.compute)
-        if self.cfg.hicache_delay_s > 0:
-            lim = self.cfg.hicache_delay_s
-            rng = torch.Generator().manual_seed(self.cfg.prefix_seed + self.rank)
-            self.rt.delay_hook = lambda s, op: float(torch.rand(1, generator=rng)) * lim if s == "load" and op[0] in "ik" else 0.0
         return host, pages, [] if "poison_fence" in self.unsafe else [poisoned]
 
+    def _install_delays(self) -> None:
+        """The runtime's delay hook: random stalls before host-tier copies (``hicache_delay_s``, the
+        coherence test) and a fixed stall before every KV broadcast (``bcast_kv_delay_s``)."""
+        lim, kv_delay = self.cfg.hicache_delay_s, self.cfg.bcast_kv_delay_s
+        rng = torch.Generator().manual_seed(self.cfg.prefix_seed + self.rank)
+
+        def hook(stream: str, op: str) -> float:
+            if lim > 0 and stream == "load" and op[0] in "ik":
+                return float(torch.rand(1, generator=rng)) * lim
+            return kv_delay if op.startswith("bcast_kv[") else 0.0
+        self.rt.delay_hook = hook if lim > 0 or kv_delay > 0 else None
+
     # broadcasts --------------------------------------------------------------------------------------
-    def _issue_bcast(self, layer: int, plan: BatchPlan, load) -> dict[str, Event]:
+    def _issue_bcast(self, layer: int, plan: BatchPlan, load) -> dict[str, Sent]:
         if self.cfg.mode != "layersplit" or plan.n_bcast == 0 or self.cfg.cp == 1:
             return {}
         owner = self.own.owner[layer]
@@ -190,9 +230,11 @@ class RankEngine:
             if load is not None and owner == self.rank and not self.cfg.unsafe_skip_coherence:
                 # hazard: never broadcast rows still loading from host
                 after = [(load.indexer_ready if part == "index" else load.kv_ready)[layer]]
+            # the index keys travel with the all-gather (the indexer waits for both); the KV on its own
+            # channel, so that only sparse attention waits for it (see the module docstring)
             events[part] = self.comm.broadcast(
                 f"bcast_{part}[{layer}]", owner, lambda s=src_pages: gather_pages(s, plan.bcast_pages), recv,
-                after, layer=layer)
+                after, channel="kv" if part == "kv" else "main", layer=layer)
             page_bytes = self.spec.index_page_bytes if part == "index" else PAGE_SIZE * self.spec.kv_row_bytes
             self._bcast_bytes[layer] = self._bcast_bytes.get(layer, 0) + plan.n_bcast * page_bytes
         return events
@@ -206,40 +248,49 @@ class RankEngine:
         out = [torch.empty_like(local) for _ in range(self.cfg.cp)]
         return self.comm.all_gather(f"allgather_new[{layer}]", local, out, layer=layer), out
 
-    def _rows(self, out: list[torch.Tensor], plan: BatchPlan) -> torch.Tensor:
-        rows = torch.empty(len(plan.new_req), out[0].shape[1], dtype=torch.bfloat16, device=out[0].device)
+    def _rows(self, out: list[torch.Tensor], plan: BatchPlan) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Every rank's new rows in global order, as the kernels take them: ``(kv_c, k_pe, index_k)``,
+        each its own contiguous ``[n_new, width]`` bf16 tensor (never a column slice of one buffer)."""
+        widths = (self.spec.kv_lora_rank, self.spec.rope_dim, self.spec.index_head_dim)
+        n, dev = len(plan.new_req), out[0].device
+        parts = tuple(torch.empty(n, w, dtype=torch.bfloat16, device=dev) for w in widths)
         for r, idx in enumerate(plan.local):
-            rows[idx] = out[r][: len(idx)]
-        return rows
+            for part, piece in zip(parts, out[r][: len(idx)].split(widths, dim=1)):
+                part[idx] = piece
+        return parts
 
-    def _layer(self, layer: int, h, pos, req, plan: BatchPlan, bcast: dict, load, state: dict):
+    def _layer(self, layer: int, h, pos, req, plan: BatchPlan, bcast: dict[str, Sent], load, state: dict):
         spec, owner_here = self.spec, self.pool.holds(layer)
-        lat, rope = spec.kv_lora_rank, spec.rope_dim
+        lat = spec.kv_lora_rank
         p = self.model.project(layer, h, pos)
         ev_new, out = self._gather_new_rows(layer, p, plan)
         rb: ReadBuffers = self.pool.read_buffers(layer, plan)
         loading = owner_here and load is not None  # this rank's prefix rows of the layer come from host
         self._wait(f"allgather_new[{layer}]", ev_new, layer)
-        rows = self._rows(out, plan)
-        # (the owner's new rows land in a page its broadcast of this layer also sends, the last prefix
-        # page: that send precedes this layer's all-gather on the FIFO comm stream, and compute waited
-        # for the all-gather above, so the write cannot overtake the send)
+        kv_c, k_pe, index_k = self._rows(out, plan)
         if spec.has_indexer(layer):
             if loading:  # the load writes whole pages: the new keys go in after it, the indexer reads both
                 self._wait(f"hicache_index[{layer}]", load.indexer_ready[layer], layer)
-            elif not owner_here:
-                self._wait(f"bcast_index[{layer}]", bcast.get("index"), layer)
-            quantize_index_keys(rows[:, lat + rope:], rb.index, rb.new_slots)
-            with self.tracer.span(f"indexer[{layer}]", layer=layer):
+            elif not owner_here and "index" in bcast:
+                # (the owner's new keys land in a page its index broadcast also sends: that send
+                # precedes this layer's all-gather on the main channel, which compute waited for above)
+                self._wait(f"bcast_index[{layer}]", bcast["index"].done, layer)
+            quantize_index_keys(index_k, rb.index, rb.new_slots)
+            self.rt.mark(f"indexer[{layer}]", self.compute)
+            with self.tracer.span(f"indexer[{layer}]", stream=self.compute, layer=layer):
                 # chunked: peak memory bounded by a block of context, not by new tokens x context
                 state["top"] = indexer_topk(p.q_index, p.index_weights, rb.index, rb.table, req, pos, plan.max_ctx,
-                                            self.topk)
+                                            self.topk, block_extents=self._extents)
         if loading:  # KV kept landing under the indexer
             self._wait(f"hicache_kv[{layer}]", load.kv_ready[layer], layer)
-        elif not owner_here:
-            self._wait(f"bcast_kv[{layer}]", bcast.get("kv"), layer)
-        pack_mla_kv(rows[:, :lat], rows[:, lat:lat + rope], rb.kv, rb.new_slots)
-        with self.tracer.span(f"attention[{layer}]", layer=layer):
+        if not owner_here and "kv" in bcast:
+            self._wait(f"bcast_kv[{layer}]", bcast["kv"].done, layer)
+        elif "kv" in bcast:  # hazard: the new rows go into the last prefix page, which this rank's KV
+            # broadcast sends from its own stream: write only after the send buffer was packed
+            self._wait(f"kv_send_packed[{layer}]", bcast["kv"].source_read, layer)
+        pack_mla_kv(kv_c, k_pe, rb.kv, rb.new_slots)
+        self.rt.mark(f"attention[{layer}]", self.compute)
+        with self.tracer.span(f"attention[{layer}]", stream=self.compute, layer=layer):
             slots = positions_to_slots(state["top"], rb.table, req)
             out_lat, _ = sparse_mla_prefill(p.q_attn, rb.kv, slots, self.model.sm_scale, lat)
         if not owner_here and self.pool.scratch:  # the slot's last reader: a later layer may refill it
@@ -253,12 +304,16 @@ class RankEngine:
         """Prefill ``requests`` (prefixes cached) and return this rank's new-token hidden states."""
         plan = plan_batch(requests, self.pool.pool.allocator.alloc, self.cfg.cp, self.cfg.split)
         self.pool.check_fits(plan)
+        # the indexer's per-block context extents, from the host plan (no device read per layer)
+        self._extents = query_block_extents(plan.new_pos[plan.local[self.rank]], plan.max_ctx)
         with self.compute.active():  # the host's tensor work below is the compute stream's
             return self._prefill(requests, plan.to(self.rt.device))
 
     def _prefill(self, requests: list[Request], plan: BatchPlan) -> RankResult:
         self._bcast_bytes: dict[int, int] = {}
         self._waits, self._released = [], {}
+        self._install_delays()
+        self.tracer.start(self.compute)
         host_reqs = self._host_requests(plan)
         device_reqs = [b for b in range(len(requests)) if b not in host_reqs]
         fill_prefix(self.pool.pool, self.pool.pool.layers, plan, self.cfg.prefix_seed, only=device_reqs)
@@ -274,18 +329,32 @@ class RankEngine:
             h = self._layer(layer, h, pos, req, plan, bcast, load, state)
             if layer + 1 < self.spec.num_layers:
                 bcast = self._issue_bcast(layer + 1, plan, load)  # prefetch before this layer's MLP
-            with self.tracer.span(f"mlp[{layer}]", layer=layer):
+            with self.tracer.span(f"mlp[{layer}]", stream=self.compute, layer=layer):
                 h = self.model.mlp(layer, h)
         h = self.model.final_norm(h)
         end.record(self.compute)
-        self.comm.stream.synchronize()
+        self.comm.synchronize()
         if load is not None:
             load.kv_ready[self.pool.pool.layers[-1]].synchronize()
         end.synchronize()
         seconds = start.elapsed_time(end) / 1e3
+        self.tracer.resolve()
         self._annotate_waits()
         for b in range(len(requests)):
             self.pool.pool.allocator.free(plan.pool_pages[b])
         waits = sum(s.elapsed_time(e) for name, s, e in self._waits if name.startswith("bcast")) / 1e3
         return RankResult(self.rank, h.cpu(), loc.cpu(), seconds, self.pool.kv_bytes(), dict(self._bcast_bytes),
-                          list(self.tracer.events), load.bytes_copied if load else 0, waits)
+                          list(self.tracer.events), load.bytes_copied if load else 0, waits,
+                          kv_order=self._kv_order())
+
+    def _kv_order(self) -> dict[int, dict[str, bool]]:
+        """Per non-owned layer: does its indexer / sparse attention happen after its KV broadcast
+        completed? (The overlap: indexer False, attention True.)"""
+        out = {}
+        for layer in range(self.spec.num_layers):
+            done = f"complete bcast_kv[{layer}]"
+            if self.pool.holds(layer) or done not in self.rt.hb.marks:
+                continue
+            ops = ("indexer", "attention") if self.spec.has_indexer(layer) else ("attention",)
+            out[layer] = {op: self.rt.ordered(done, f"{op}[{layer}]") for op in ops}
+        return out

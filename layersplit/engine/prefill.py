@@ -9,6 +9,8 @@ allocate are compared with the memory this machine has, **before** any process s
 
 from __future__ import annotations
 
+import os
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 
 from dsa_kernels.layout import PAGE_SIZE
@@ -37,6 +39,14 @@ class PrefillReport:
     bcast_bytes_per_layer: dict
     max_abs_deviation_vs_reference: float
     measured_on: str
+    schedule: str = "overlapped"
+    kernel_backend: str = "torch"  # what dispatch picked for the engine's ops on this device
+    # the torch-reference engine's output vs this run's (None: this run already used the torch reference)
+    max_abs_deviation_vs_torch_engine: float | None = None
+    # non-owned indexer layers (all ranks) whose indexer happens after the layer's KV broadcast, in the
+    # issued program's happens-before order: 0 of N is the overlap; N of N is a serialized schedule
+    indexer_waits_for_kv_bcast: str = ""
+    bcast_wait_ms_per_rank: list[float] = field(default_factory=list)  # compute-stream stalls on broadcasts
     sanitizer_hazards: int | None = None  # None: not sanitized (LAYERSPLIT_SANITIZE unset)
     sanitizer_hazard_list: list[str] = field(default_factory=list)
     trace_events: list[dict] = field(default_factory=list, repr=False)
@@ -113,32 +123,69 @@ def check_arguments(model: ModelConfig, *, cp: int, mode: str, ownership: str, s
                          "(on a CPU use --model tiny)")
 
 
+@contextmanager
+def _kernel_backend(choice: str):
+    """Run the enclosed in-process work with ``LAYERSPLIT_KERNEL_BACKEND=choice`` (restored after)."""
+    old = os.environ.get("LAYERSPLIT_KERNEL_BACKEND")
+    os.environ["LAYERSPLIT_KERNEL_BACKEND"] = choice
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("LAYERSPLIT_KERNEL_BACKEND")
+        else:
+            os.environ["LAYERSPLIT_KERNEL_BACKEND"] = old
+
+
+def _kv_order_summary(result) -> str:
+    orders = [o["indexer"] for r in result.ranks for o in r.kv_order.values() if "indexer" in o]
+    return f"{sum(orders)} of {len(orders)}"
+
+
 def prefill(model: str | ModelConfig = "tiny", *, cp: int = 2, mode: str = "layersplit", context_len: int = 8192,
             hit: float = 0.9, requests: int = 1, seed: int = 0, ownership: str = "contiguous",
-            split: str = "zigzag", trace: bool = False, progress=None) -> PrefillReport:
+            split: str = "zigzag", trace: bool = False, progress=None, schedule: str = "overlapped",
+            bcast_kv_delay_ms: float = 0.0) -> PrefillReport:
     """Prefill ``requests`` synthetic requests on ``cp`` rank processes and check the result against
-    the single-process reference (``max_abs_deviation_vs_reference``). ``trace``: keep every rank's
-    trace events (``report.trace_events``, for :func:`layersplit.engine.trace.write_trace`).
+    the single-process reference (``max_abs_deviation_vs_reference``; when the kernels are not the
+    torch reference, also against the torch-reference engine). ``trace``: keep every rank's trace
+    events (``report.trace_events``, for :func:`layersplit.engine.trace.write_trace`).
+    ``schedule``: ``overlapped`` (default) or ``legacy`` (one FIFO comm stream); ``bcast_kv_delay_ms``
+    stalls every KV broadcast (to see what the schedule hides).
     ``progress(stage: str)``: told when each stage starts (the run takes seconds to minutes on a CPU)."""
     import torch
 
-    from layersplit.engine.engine import EngineConfig
+    from dsa_kernels.dispatch import resolve
+    from layersplit.engine.engine import SCHEDULES, EngineConfig
     from layersplit.engine.launcher import Scenario, cp_backend, run_cp, run_reference
     from layersplit.engine.requests import synthetic_requests
 
     cfg_model = model if isinstance(model, ModelConfig) else load_model(model)
     check_arguments(cfg_model, cp=cp, mode=mode, ownership=ownership, split=split, requests=requests,
                     context_len=context_len, hit=hit, seed=seed)
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule: expected one of {SCHEDULES}, got {schedule!r}")
+    if isinstance(bcast_kv_delay_ms, bool) or not isinstance(bcast_kv_delay_ms, (int, float)) \
+            or not 0 <= bcast_kv_delay_ms <= 10_000:
+        raise ValueError(f"bcast_kv_delay_ms: expected a number in [0, 10000], got {bcast_kv_delay_ms!r}")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    backend = resolve("indexer_scores", device)[0]
     reqs = synthetic_requests(requests, context_len, hit, cfg_model.vocab_size, seed)
     cfg = EngineConfig(mode=mode, cp=cp, ownership=ownership, split=split,
                        pool_pages=requests * -(-context_len // PAGE_SIZE), max_batch_tokens=requests * context_len,
-                       max_requests=requests, trace=trace)
+                       max_requests=requests, trace=trace, schedule=schedule,
+                       bcast_kv_delay_s=bcast_kv_delay_ms / 1e3)
     scenario = Scenario("prefill", reqs, cfg)
     say = progress or (lambda stage: None)
     say(f"prefill on {cp} rank process(es) ({mode})")
     result = run_cp(cfg_model, [scenario], cp)[0]
     say("single-process reference")
     reference = run_reference(cfg_model, scenario)
+    vs_torch = None
+    if backend != "torch":
+        say("single-process reference on the torch kernels")
+        with _kernel_backend("torch"):
+            vs_torch = float((result.hidden - run_reference(cfg_model, scenario).hidden).abs().max())
     new_tokens = sum(len(r.new_tokens) for r in reqs)
     report = PrefillReport(
         model=cfg_model.name, cp=cp, mode=mode, ownership=ownership, split=split, requests=requests,
@@ -147,6 +194,9 @@ def prefill(model: str | ModelConfig = "tiny", *, cp: int = 2, mode: str = "laye
         bcast_bytes_per_layer=result.ranks[0].bcast_bytes if cp > 1 else {},
         max_abs_deviation_vs_reference=float((result.hidden - reference.hidden).abs().max()),
         measured_on=f"cuda ({cp_backend()})" if torch.cuda.is_available() else "cpu (gloo, emulated streams)",
+        schedule=schedule, kernel_backend=backend, max_abs_deviation_vs_torch_engine=vs_torch,
+        indexer_waits_for_kv_bcast=_kv_order_summary(result),
+        bcast_wait_ms_per_rank=[round(r.bcast_wait_s * 1e3, 3) for r in result.ranks],
         trace_events=[e for r in result.ranks for e in r.trace] if trace else [])
     if result.ranks[0].hazards is not None:  # LAYERSPLIT_SANITIZE=1: every rank and the reference
         hazards = sorted({h for r in [*result.ranks, *reference.ranks] for h in r.hazards})

@@ -51,6 +51,9 @@ def scenarios(cp: int) -> list[Scenario]:
     # same batch, 4x the pool: broadcast bytes must not change
     big = EngineConfig(mode="layersplit", cp=cp, pool_pages=128, max_batch_tokens=1024, max_requests=4)
     out.append(Scenario("layersplit/several-requests/big-pool", CASES["several-requests"][0], big))
+    # the old single-FIFO schedule: the overlap test's teeth
+    legacy = dataclasses.replace(big, pool_pages=32, schedule="legacy")
+    out.append(Scenario("legacy/several-requests", CASES["several-requests"][0], legacy))
     return out
 
 
@@ -135,6 +138,31 @@ def test_trace_schedule(cp):
             assert wait_kv["ts"] >= indexer["ts"] + indexer["dur"]
             checked += 1
     assert checked >= 2
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_kv_broadcast_overlaps_indexer(cp):
+    """In the issued program's happens-before order, on every non-owned layer the indexer does not
+    wait for the layer's KV broadcast and sparse attention does (whatever the machine's timing)."""
+    sc, res, ref = run(cp)["layersplit/several-requests"]
+    own = plan_ownership(TINY.num_layers, cp, sc.cfg.ownership)
+    for rank in res.ranks:
+        non_owned = [layer for layer in range(TINY.num_layers) if own.owner[layer] != rank.rank]
+        assert sorted(rank.kv_order) == non_owned
+        for layer in non_owned:
+            want = {"indexer": False, "attention": True} if TINY.has_indexer(layer) else {"attention": True}
+            assert rank.kv_order[layer] == want, (rank.rank, layer)
+    assert deviation(res, ref) <= 1e-4
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_legacy_fifo_schedule_fails_the_overlap_check(cp):
+    """Teeth: on one FIFO comm stream the all-gather the indexer waits for queues behind the KV
+    broadcast, so every non-owned indexer layer's indexer happens after the broadcast."""
+    sc, res, ref = run(cp)["legacy/several-requests"]
+    indexed = [order for rank in res.ranks for layer, order in rank.kv_order.items() if TINY.has_indexer(layer)]
+    assert indexed and all(order["indexer"] and order["attention"] for order in indexed)
+    assert deviation(res, ref) <= 1e-4
 
 
 def coherence_run(unsafe: bool):
