@@ -18,7 +18,6 @@ from dataclasses import replace
 
 from layersplit.plan.config import load_hardware
 from layersplit.serving.roofline import Efficiency
-from layersplit.serving.sweep import run_sweep
 from layersplit.serving.sweep_config import SweepConfig
 
 PEERS = ("redundant", "kv-sharding")
@@ -46,9 +45,10 @@ def _gains(points: list[dict]) -> dict[tuple[int, str], float]:
     return {(n, peer): 100 * (by[(n, "layersplit")] / by[(n, peer)] - 1) for n in lengths for peer in PEERS}
 
 
-def sensitivity(cfg: SweepConfig, base: list[dict]) -> list[dict]:
+def sensitivity(cfg: SweepConfig, base: list[dict], run_sweep) -> list[dict]:
     """Per length and peer: the gain at the config, its range over the alternatives, and which
-    alternatives give the ends. ``base``: the config's own points (already run)."""
+    alternatives give the ends. ``base``: the config's own points (already run); ``run_sweep``:
+    :func:`layersplit.serving.sweep.run_sweep` (passed in: the sweep module imports this one)."""
     at = {"config": _gains(base)}
     for label, c, hw, eff in alternatives(cfg):
         at[label] = _gains(run_sweep(c, hw=hw, eff=eff, modes=MODES))

@@ -235,5 +235,5 @@ def report(points: list[dict], cfg: SweepConfig) -> str:
         return table(points, cfg)
     from layersplit.serving import calibration, sensitivity
 
-    return "\n".join([table(points, cfg), sensitivity.lines(sensitivity.sensitivity(cfg, points)),
+    return "\n".join([table(points, cfg), sensitivity.lines(sensitivity.sensitivity(cfg, points, run_sweep)),
                       calibration.table()])

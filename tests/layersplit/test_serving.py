@@ -104,3 +104,61 @@ def test_memoised_costs_equal_fresh_ones():
         assert memo == [fresh._batch(b) for b in batches]
         memo[0].seconds = -1.0  # callers get copies: the memo cannot be corrupted
         assert model.batch(batches[0]).seconds > 0
+
+
+def _one_request_cost(mode: str, tier: str, ownership: str = "contiguous"):
+    model, hw = load_model("glm-5"), load_hardware("h200")
+    mb = mode_bytes(model, 8, "bf16", mode, 1 << 18, 8, ownership)
+    loop = ServingLoop(Capacity(10**7, 10**8), max_batch_tokens=1 << 20)
+    if tier == "L2":
+        loop.l2[0] = 108000  # session 0's prefix sits in the host tier
+    else:
+        loop.l1[0] = 108000
+    batch = loop.run([Req(0, 108000, 12000)])[0]
+    assert batch.served[0].tier == tier
+    return CostModel(model, hw, 8, "bf16", mb).batch(batch)
+
+
+@pytest.mark.parametrize("mode,ownership", [("layersplit", "contiguous"), ("layersplit", "round-robin"),
+                                            ("kv-sharding", "contiguous"), ("redundant", "contiguous")])
+def test_each_stall_is_counted_once(mode, ownership):
+    """A reload stall on the owner that delays its broadcast to the others is one wait: the time the
+    host tier adds is exactly the exposed reload + exposed broadcast it adds (the slowest rank's)."""
+    hot, cold = _one_request_cost(mode, "L1", ownership), _one_request_cost(mode, "L2", ownership)
+    added = cold.seconds - hot.seconds
+    assert added > 0
+    assert cold.exposed_reload_s + cold.exposed_comm_s - hot.exposed_reload_s - hot.exposed_comm_s == \
+        pytest.approx(added, rel=1e-9, abs=1e-12)
+    assert cold.compute_s == pytest.approx(hot.compute_s, rel=1e-9)
+
+
+def test_reload_is_spread_by_round_robin_and_by_page_sharding():
+    """Contiguous ownership: rank 0 must reload its 10 layers before the forward passes them (~8.7
+    layers ahead of an even pace); round-robin: at most one layer's rows ahead; page-level sharding and
+    redundant CP: none. The exposed reload follows."""
+    rows, layer = 108032, 1284  # the prefix in whole pages, bytes per token of a layer
+    cost = {o: _one_request_cost("layersplit", "L2", o) for o in ("contiguous", "round-robin")}
+    shard, red = _one_request_cost("kv-sharding", "L2"), _one_request_cost("redundant", "L2")
+    assert cost["contiguous"].reload_ahead_bytes == int(rows * layer * (10 - 10 * 10 / 78))
+    assert 0 < cost["round-robin"].reload_ahead_bytes <= rows * layer
+    assert shard.reload_ahead_bytes == red.reload_ahead_bytes == 0
+    assert cost["round-robin"].reload_bytes_per_rank == cost["contiguous"].reload_bytes_per_rank == 10 * rows * layer
+    assert shard.reload_bytes_per_rank == -(-rows // 512) * 64 * 78 * layer  # its stripe of every layer
+    assert shard.exposed_reload_s < cost["round-robin"].exposed_reload_s < cost["contiguous"].exposed_reload_s / 2
+
+
+def test_calibration_rows_are_within_their_stated_error():
+    """FlashMLA's 128-head figure is what e_attn is fit to; SGLang's published EP prefill figures lie
+    between the model with EP traffic exposed and hidden, within 20% of the exposed one; the 64-head
+    figure is not published (and says so)."""
+    from layersplit.serving.calibration import rows, table
+
+    got = {r["label"]: r for r in rows()}
+    assert got["FlashMLA sparse prefill, 128 heads"]["model_ep_exposed"] == pytest.approx(640, rel=1e-3)
+    for label in ("SGLang large-scale EP, 2k prompts", "SGLang large-scale EP, 4k prompts"):
+        r = got[label]
+        assert r["model_ep_exposed"] < r["published"] * 1.2 and r["model_ep_hidden"] > r["published"]
+        assert abs(r["error_ep_exposed_pct"]) < 20
+    assert got["FlashMLA sparse prefill, 64 heads"]["error_ep_exposed_pct"] is None
+    assert 300 < got["FlashMLA sparse prefill, 64 heads"]["model_ep_exposed"] < 640  # gather-bound at 64 heads
+    assert "not found" in table()
