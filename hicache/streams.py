@@ -238,6 +238,7 @@ class InlineStream:
 
 class EmulatedRuntime:
     kind = "emulated"
+    pin_memory = False  # host staging memory is pinned only where an accelerator exists
 
     def __init__(self) -> None:
         self.delay_hook: DelayHook | None = None
@@ -327,6 +328,7 @@ class CudaStream:
 
 class CudaRuntime:
     kind = "cuda"
+    pin_memory = True  # pinned host memory: H2D / D2H copies with non_blocking=True are asynchronous
 
     def __init__(self, device: int | None = None) -> None:
         refuse_blind_sanitizer()  # before any CUDA work: LAYERSPLIT_SANITIZE=1 must not pass a CUDA run

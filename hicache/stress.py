@@ -197,11 +197,17 @@ class _Harness:
         moved = _Batch(batch.req_idx, batch.positions, batch.q_index, batch.weights, batch.q_attn, batch.max_ctx,
                        batch.reference)
 
+        staged = self._pinned(batch.req_idx, batch.positions, batch.q_index, batch.weights, batch.q_attn, host_view)
+
         def stage() -> None:  # inputs reach the device on the forward stream that reads them
+            # asynchronous copies from pinned memory: no host sync, so the host keeps queueing ahead and
+            # the race windows under test stay open; the pinned buffers' reuse is fenced by CUDA's
+            # host allocator (it records the copying stream), emulated by this closure holding them.
+            # copy=True: emulated, the device is the CPU, and the forward must read device memory,
+            # not the staging buffers (host memory, whose ops the sanitizer runs at submit time)
             dev = self.device.device
-            moved.req_idx, moved.positions = moved.req_idx.to(dev), moved.positions.to(dev)
-            moved.q_index, moved.weights, moved.q_attn = (x.to(dev) for x in (moved.q_index, moved.weights, moved.q_attn))
-            moved.page_table = host_view.to(dev)
+            (moved.req_idx, moved.positions, moved.q_index, moved.weights, moved.q_attn,
+             moved.page_table) = (x.to(dev, non_blocking=True, copy=True) for x in staged)
         self.fwd.submit(stage, name="stage")
         self._queue_forward(moved, load)
         done = self.rt.event()
@@ -209,6 +215,14 @@ class _Harness:
         moved.done = done
         self.device.allocator.free(dev_pages, fence=done)  # reuse waits for this batch's forward
         return moved
+
+    def _pinned(self, *tensors: torch.Tensor) -> list[torch.Tensor]:
+        """Host copies of ``tensors`` in staging memory, pinned where the runtime can pin (one choice:
+        ``Runtime.pin_memory``), declared host memory for the sanitizer; written by the host before
+        the stage op that reads them is submitted."""
+        out = [torch.empty(t.shape, dtype=t.dtype, pin_memory=self.rt.pin_memory).copy_(t) for t in tensors]
+        sanitizer.mark_host_memory(*out)
+        return out
 
     def _queue_forward(self, b: _Batch, load: LayerLoad) -> None:
         spec, dev, cfg = self.spec, self.device, self.cfg

@@ -15,9 +15,9 @@ from layersplit.plan.config import cache_spec, load_model
 LOADS = 2000  # layer loads per run (8 tiny layers per batch -> 250 batches)
 
 
-def tiny_run(unsafe: set[str], seed: int = 0):
+def tiny_run(unsafe: set[str], seed: int = 0, loads: int = LOADS):
     model = load_model("tiny")
-    cfg = StressConfig(layer_loads=LOADS, seed=seed, unsafe_skip=frozenset(unsafe),
+    cfg = StressConfig(layer_loads=loads, seed=seed, unsafe_skip=frozenset(unsafe),
                        index_heads=model.index_n_heads, attn_heads=model.num_heads, topk=model.index_topk)
     return run_stress(cache_spec(model), cfg)
 
@@ -44,3 +44,16 @@ def test_cli_json_and_exit_codes(capsys):
     assert report["layers_loaded"] == 40 and report["corrupted_outputs"] == 0
     assert report["unsafe_skip"] == [] and report["runtime"] in ("emulated", "cuda")
     assert main(["stress", "hicache", "--unsafe-skip-wait", "everything"]) == 2
+
+
+def test_staging_is_asynchronous():
+    """The batch inputs reach the device as non-blocking copies from pinned (host-memory) staging
+    buffers: no host sync in ``stage``, so the host keeps queueing ahead and the race windows stay
+    open. The counter is live on the forward stream's worker: it sees the check's blocking D2H."""
+    from hicache.syncs import SyncCounter
+
+    with SyncCounter() as guard:
+        r = tiny_run(set(), loads=24)
+    assert r.corrupted_outputs == 0
+    assert [s for s in guard.sites() if "(stage)" in s[1]] == []
+    assert any(what.startswith(".cpu()") and "(_check)" in where for what, where in guard.sites()), guard.sites()
