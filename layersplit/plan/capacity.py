@@ -68,6 +68,22 @@ BROADCAST = {"redundant": None, "redundant-shared-host": None, "upstream-layersp
 NVLINK_EFFICIENCY = 380 / 450
 
 
+# Model-only ownership (the CP engine does not implement page striping): the L mod N first layers are
+# page-striped over all ranks like KV sharding (each rank 1/N of them, all-gathered one layer ahead),
+# the other layers owned round-robin. Every rank then holds the same bytes (78 layers on 8 ranks: 9
+# owned + 6/8 striped = 9.75 layers, not 10) and layer 0's reload is spread over every PCIe link.
+STRIPED_REMAINDER = "round-robin-striped"
+MODEL_OWNERSHIPS = ("contiguous", "round-robin", STRIPED_REMAINDER)
+
+
+def striped_remainder(num_layers: int, cp: int) -> tuple[tuple[tuple[int, ...], ...], tuple[int, ...]]:
+    """(held layers per rank, striped layers) of :data:`STRIPED_REMAINDER` ownership."""
+    striped = tuple(range(num_layers % cp))
+    held = tuple(striped + tuple(layer for layer in range(len(striped), num_layers) if (layer - len(striped)) % cp == r)
+                 for r in range(cp))
+    return held, striped
+
+
 def mode_kv_dtype(mode: str, kv_dtype: str) -> str:
     """The KV dtype ``mode`` runs: SGLang 0.5.23's KV sharding refuses anything but fp8 for DSA models."""
     return kv_sharding.SHIPPED_KV_DTYPE if mode == "kv-sharding-shipped" else kv_dtype
@@ -84,6 +100,7 @@ class ModeBytes:
     host_bytes_per_token: int = 0  # host tier: the held layers (0: as ``bytes_per_token``)
     host_pooled_ranks: int = 1  # ranks whose host budgets hold one shared copy (shared host: the CP size)
     stripe: int = 1  # each rank holds 1/stripe of every held layer's rows (KV sharding: the CP size)
+    striped: tuple[int, ...] = ()  # layers page-striped over the CP ranks inside an owned layout (see below)
     kv_dtype: str = "bf16"  # what this mode runs (KV sharding as shipped: fp8 whatever was asked)
 
     @property
@@ -110,12 +127,17 @@ def mode_bytes(model: ModelConfig, cp: int, kv_dtype: str, mode: str, max_batch_
         pooled = cp if mode == "redundant-shared-host" else 1
         return ModeBytes(mode, sum(per_layer), (tuple(range(model.num_layers)),) * cp, 0, sum(per_layer), pooled,
                          kv_dtype=kv_dtype)
-    held = tuple(plan_ownership(model.num_layers, cp, "contiguous" if mode != "layersplit" else ownership)
-                 .owned_layers(r) for r in range(cp))
-    owned = max(sum(per_layer[layer] for layer in h) for h in held)
+    if mode == "layersplit" and ownership == STRIPED_REMAINDER:
+        held, striped = striped_remainder(model.num_layers, cp)
+    else:
+        held = tuple(plan_ownership(model.num_layers, cp, "contiguous" if mode != "layersplit" else ownership)
+                     .owned_layers(r) for r in range(cp))
+        striped = ()
+    owned = max(sum(per_layer[layer] for layer in h if layer not in striped) for h in held)
+    owned += kv_sharding.stripe_bytes_per_token(sum(per_layer[layer] for layer in striped), cp) if striped else 0
     if mode == "layersplit":
         scratch = 2 * scratch_pages_for(max_batch_tokens, max_requests) * PAGE_SIZE * max(per_layer) if cp > 1 else 0
-        return ModeBytes(mode, owned, held, scratch, owned, kv_dtype=kv_dtype)
+        return ModeBytes(mode, owned, held, scratch, owned, kv_dtype=kv_dtype, striped=striped)
     if mode == "sglang-plugin":  # batch landing: the remap table (1/8 B a token) is left out of this int
         staging = sglang_plugin_staging_bytes(model, kv_dtype, max_batch_tokens, max_requests) if cp > 1 else 0
         return ModeBytes(mode, owned, held, staging, owned, kv_dtype=kv_dtype)

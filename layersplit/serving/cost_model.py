@@ -82,7 +82,9 @@ class CostModel:
         self.roof = Roofline(model, hw, mb.kv_dtype or kv_dtype, eff)
         self.per_layer, self.kv_bytes, self.indexer = self.roof.per_layer, self.roof.kv_bytes, self.roof.indexer
         rows_modes = mb.broadcast in ("rows", "pool")
-        self.owner = {layer: r for r, held in enumerate(mb.held_layers) for layer in held} if rows_modes else {}
+        self.striped = frozenset(mb.striped)  # page-striped layers of an owned layout: gathered like KV sharding
+        self.owner = ({layer: r for r, held in enumerate(mb.held_layers) for layer in held if layer not in self.striped}
+                      if rows_modes else {})
         self.pool_rows = pages_rows(pool_tokens)
         self.reload_bw = hw.reload_bandwidth(cp)
         # a batch's cost depends only on its (prefix, tokens, tier) list and on these: cost models built
@@ -90,41 +92,54 @@ class CostModel:
         self._memo = _MEMOS.setdefault((model, hw, cp, mb, eff, self.pool_rows), {})
 
     # host tier -------------------------------------------------------------------------------------
-    def _loads(self, reload_rows: int) -> dict[tuple[int, int], float]:
+    def _rows_of(self, layer: int, reload_rows: int, striped_rows: int) -> int:
+        return striped_rows if layer in self.striped else reload_rows
+
+    def _loads(self, reload_rows: int, striped_rows: int = 0) -> dict[tuple[int, int], float]:
         """When each rank's load stream finishes each held layer (from t = 0)."""
         loads = {}
         for r, held in enumerate(self.mb.held_layers):
             t = 0.0
             for layer in held:
-                t += reload_rows * self.per_layer[layer] / self.reload_bw
+                t += self._rows_of(layer, reload_rows, striped_rows) * self.per_layer[layer] / self.reload_bw
                 loads[(r, layer)] = t
         return loads
 
-    def reload_ahead(self, reload_rows: int) -> int:
+    def reload_ahead(self, reload_rows: int, striped_rows: int = 0) -> int:
         """Bytes a rank must have reloaded before layer ``l``'s turn beyond the even pace ``(l + 1) / L``
         of its total, maximised over ranks and layers: 0 when every rank reloads a share of every layer
         (redundant, KV sharding), a layer's rows or less with round-robin ownership, ~``L/N - 1`` layers
         with contiguous ownership (rank 0 must reload its whole range before the forward passes it)."""
         worst, layers = 0.0, self.m.num_layers
         for held in self.mb.held_layers:
-            total = sum(self.per_layer[layer] for layer in held) * reload_rows
-            done = 0
-            for layer in held:
-                done += self.per_layer[layer] * reload_rows
+            sizes = [self.per_layer[layer] * self._rows_of(layer, reload_rows, striped_rows) for layer in held]
+            total, done = sum(sizes), 0
+            for layer, size in zip(held, sizes):
+                done += size
                 worst = max(worst, done - total * (layer + 1) / layers)
         return int(worst)
 
     # one rank's timeline ---------------------------------------------------------------------------
-    def _rank(self, r: int, layer_s: list[LayerTime], loads: dict, rows: int) -> tuple[float, float, float]:
+    def _rank(self, r: int, layer_s: list[LayerTime], loads: dict, rows: int,
+              gather_rows: int = 0) -> tuple[float, float, float]:
         """(end, exposed broadcast, exposed reload) of rank ``r`` (owned-layer and replicated layouts).
 
         A non-owner's row broadcast of layer ``l`` starts once it is issued (before layer ``l-1``'s
         MLP) and the owner's load of ``l`` is done, index part first; upstream's index part is
         issued at the indexer itself. The indexer waits for the index part, attention for the KV."""
         nv, pool = self.roof.nvlink, self.mb.broadcast == "pool"
-        t = bcast = reload = issue = 0.0
+        t = bcast = reload = issue = stream = 0.0
         for layer, ts in enumerate(layer_s):
             t += ts.pre
+            if layer in self.striped:  # all-gathered like KV sharding once every rank loaded its stripe
+                loaded = max(loads.get((q, layer), 0.0) for q in range(self.cp))
+                queued = max(issue, stream)
+                stream = ready = max(queued, loaded) + gather_rows * self.per_layer[layer] * (self.cp - 1) / self.cp / nv
+                x, y = _split_wait(t, ready, loaded, queued)
+                reload, bcast, t = reload + x, bcast + y, max(t, ready) + ts.indexer + ts.attention
+                issue = t
+                t += ts.mlp
+                continue
             owner = self.owner.get(layer, r)
             loaded = loads.get((owner, layer), 0.0)
             if owner == r or not rows:  # own rows: wait for this rank's load only
@@ -190,17 +205,24 @@ class CostModel:
         reload_rows = sum(pages_rows(p) for p, _, tier in reqs if tier == "L2")
         if mb.stripe > 1:  # a rank loads back only its own pages of each layer
             reload_rows = -(-reload_rows // (PAGE_SIZE * mb.stripe)) * PAGE_SIZE
+        striped_rows = -(-reload_rows // (PAGE_SIZE * cp)) * PAGE_SIZE if self.striped else 0
         rows = self._rows(reqs)
+        gather_rows = (kv_sharding.gathered_pages([-(-p // PAGE_SIZE) for p, _, _ in reqs], cp) * PAGE_SIZE
+                       if self.striped else 0)
         layer_s = self.roof.layers([(p, n) for p, n, _ in reqs], cp)
-        loads = self._loads(reload_rows)
+        loads = self._loads(reload_rows, striped_rows)
         if mb.broadcast == "gather":
             end, comm, reload_s = self._gathered(layer_s, loads, rows)
         else:
             ranks = range(cp) if self.owner else range(1)  # replicated layouts: every rank alike
-            end, comm, reload_s = max((self._rank(r, layer_s, loads, rows) for r in ranks), key=lambda x: x[0])
-        reload = max(reload_rows * sum(self.per_layer[layer] for layer in held) for held in mb.held_layers)
+            end, comm, reload_s = max((self._rank(r, layer_s, loads, rows, gather_rows) for r in ranks),
+                                      key=lambda x: x[0])
+        reload = max(sum(self.per_layer[layer] * self._rows_of(layer, reload_rows, striped_rows) for layer in held)
+                     for held in mb.held_layers)
         received = rows * (cp - 1) // cp if mb.broadcast == "gather" else rows
+        received_bytes = sum(self.per_layer[layer] * (gather_rows * (cp - 1) // cp if layer in self.striped else received)
+                             for layer in range(self.m.num_layers))
         missed = sum(s.req.prefix for s in batch.served if s.tier == "miss")
         recompute = (end - comm - reload_s) * missed / batch.new_tokens if batch.new_tokens else 0.0
-        return BatchCost(end, comm, reload, received * sum(self.per_layer), reload_s, recompute,
-                         self.reload_ahead(reload_rows))
+        return BatchCost(end, comm, reload, received_bytes, reload_s, recompute,
+                         self.reload_ahead(reload_rows, striped_rows))

@@ -124,6 +124,8 @@ def run_sweep(cfg: SweepConfig, progress=None, on_length=None, hw=None, eff: Eff
     s = setup(cfg, hw, eff)
     modes = modes or modes_of(cfg)
     engine, points = _engine(s, modes), []
+    if engine.measured:
+        return _run_paired(s, engine, modes, progress, on_length)
     for length in cfg.lengths:
         done = []
         for mode in modes:
@@ -138,6 +140,38 @@ def run_sweep(cfg: SweepConfig, progress=None, on_length=None, hw=None, eff: Eff
             if progress:
                 progress(1)
         add_gains(done)
+        points += done
+        if on_length:
+            on_length(done)
+    return points
+
+
+def _run_paired(s: Setup, engine, modes: tuple[str, ...], progress, on_length) -> list[dict]:
+    """The measured sweep: per length, every mode on the same requests, alternating per repeat."""
+    from layersplit.serving import paired
+
+    cfg, points = s.cfg, []
+    for length in cfg.lengths:
+        plans = {mode: plan_point(s, length, mode) for mode in modes}
+        runs = engine.run_paired({m: plan[3] for m, plan in plans.items()}, cfg.repeats)
+        totals = {m: [sum(x.seconds for x in costs) for costs in runs[m]] for m in modes}
+        tokens = {m: sum(r.req.prefix + r.req.new for b in plan[3] for r in b.served) for m, plan in plans.items()}
+        gains = paired.paired_gains(totals, tokens, "redundant")
+        done = []
+        for mode in modes:
+            mb, cap, loop, batches = plans[mode]
+            median = sorted(range(cfg.repeats), key=totals[mode].__getitem__)[cfg.repeats // 2]
+            point = aggregate(length, mode, mb, cap, loop, batches, runs[mode][median], True, 1 - cfg.new_fraction)
+            point["repeats"], point["seconds_runs"], point["paired_gain"] = cfg.repeats, totals[mode], gains[mode]
+            point["spread_pct"] = 100 * (max(totals[mode]) - min(totals[mode])) / totals[mode][median]
+            cost = CostModel(s.model, s.hw, cfg.cp, cfg.kv_dtype, mb)  # counts only: which rank reloads what
+            done.append(paired.counted(point, cost, batches))
+            if progress:
+                progress(1)
+        add_gains(done)
+        for p in done:  # the paired median, not the ratio of medians, is the measured gain
+            p["gain_vs_redundant"] = p["gain_pct"] = p["paired_gain"]["median"]
+            p["gain_within_noise"] = p["mode"] != "redundant" and p["paired_gain"]["low"] <= 0 <= p["paired_gain"]["high"]
         points += done
         if on_length:
             on_length(done)
@@ -232,7 +266,9 @@ def write_outputs(points: list[dict], cfg: SweepConfig, out: Path) -> dict[str, 
 def report(points: list[dict], cfg: SweepConfig) -> str:
     """The table; for the model engine also the sensitivity per length and the calibration table."""
     if points[0]["kind"] != "modelled":
-        return table(points, cfg)
+        from layersplit.serving import paired
+
+        return paired.table(points, cfg)
     from layersplit.serving import calibration, sensitivity
 
     return "\n".join([table(points, cfg), sensitivity.lines(sensitivity.sensitivity(cfg, points, run_sweep)),

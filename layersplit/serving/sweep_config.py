@@ -7,6 +7,7 @@ from pathlib import Path
 
 from lsconfig.config_io import ConfigError, read_yaml
 from layersplit.engine.choices import STRATEGIES
+from layersplit.plan.capacity import MODEL_OWNERSHIPS
 from layersplit.plan.config import _build, configs_root, load_hardware, load_model
 
 ENGINES = ("real", "model")
@@ -64,7 +65,8 @@ def load_sweep(name_or_path: str | Path) -> SweepConfig:
               ("max_batch_requests", cfg.max_batch_requests >= 1, "an integer >= 1 (requests per batch)"),
               ("device_kv_bytes_per_rank", cfg.device_kv_bytes_per_rank >= 0, ">= 0 (0: from the capacity plan)"),
               ("host_bytes_per_rank", cfg.host_bytes_per_rank >= 0, ">= 0"), ("seed", 0 <= cfg.seed < 2**63, "in [0, 2**63)"),
-              ("ownership", cfg.ownership in STRATEGIES, f"one of {STRATEGIES}"),
+              ("ownership", cfg.ownership in (MODEL_OWNERSHIPS if cfg.engine == "model" else STRATEGIES),
+               f"one of {MODEL_OWNERSHIPS if cfg.engine == 'model' else STRATEGIES} (the CP engine: {STRATEGIES})"),
               ("context_len", cfg.context_len >= max(cfg.lengths), f">= the longest length ({max(cfg.lengths)})")]
     for field_name, ok, expected in checks:
         if not ok:

@@ -20,7 +20,7 @@ class RealEngine:
     def __init__(self, model: ModelConfig, cp: int, kv_dtype: str, seed: int, ownership: str = "contiguous") -> None:
         self.model, self.cp, self.kv_dtype, self.seed, self.ownership = model, cp, kv_dtype, seed, ownership
 
-    def _scenario(self, i: int, batch: Batch, mode: str):
+    def _scenario(self, i: int, batch: Batch, mode: str, name: str = ""):
         import torch  # the real engine's imports are heavy: the model engine does not need them
 
         from layersplit.engine.batch_plan import Request
@@ -36,7 +36,7 @@ class RealEngine:
         pages = sum(-(-(r.prefix_len + len(r.new_tokens)) // PAGE_SIZE) for r in reqs)
         cfg = EngineConfig(mode=mode, cp=self.cp, pool_pages=pages, max_batch_tokens=pages * PAGE_SIZE,
                            max_requests=len(reqs), kv_dtype=self.kv_dtype, trace=True, ownership=self.ownership)
-        return Scenario(f"batch{i}", reqs, cfg)
+        return Scenario(name or f"batch{i}", reqs, cfg)
 
     def run(self, batches: list[Batch], mode: str, repeats: int = 1) -> list[list[BatchCost]]:
         """Each repeat of every batch, in one spawn of the rank processes (repeat-major)."""
@@ -44,9 +44,31 @@ class RealEngine:
 
         scenarios = [self._scenario(i, b, mode) for i, b in enumerate(batches)]
         results = run_cp(self.model, scenarios * repeats, self.cp)
-        costs = [BatchCost(r.seconds, max(x.bcast_wait_s for x in r.ranks), max(x.reload_bytes for x in r.ranks),
-                           sum(r.ranks[0].bcast_bytes.values())) for r in results]
+        costs = [self._cost(r) for r in results]
         return [costs[k * len(batches):(k + 1) * len(batches)] for k in range(repeats)]
+
+    @staticmethod
+    def _cost(r) -> BatchCost:
+        return BatchCost(r.seconds, max(x.bcast_wait_s for x in r.ranks), max(x.reload_bytes for x in r.ranks),
+                         sum(r.ranks[0].bcast_bytes.values()))
+
+    def run_paired(self, batches: dict[str, list[Batch]], repeats: int) -> dict[str, list[list[BatchCost]]]:
+        """Every mode's batches ``repeats`` times in one spawn, the modes alternating per repeat (A B,
+        B A, ...) after one discarded warm-up batch of each: per mode, one list of costs per repeat."""
+        from layersplit.engine.launcher import run_cp
+        from layersplit.serving.paired import alternating
+
+        modes = tuple(batches)
+        warm = [self._scenario(0, batches[m][0], m, f"warmup-{m}") for m in modes]
+        order = alternating(modes, repeats)
+        scenarios = warm + [self._scenario(i, b, m, f"{m}-{k}-{i}") for k, m in enumerate(order)
+                            for i, b in enumerate(batches[m])]
+        costs = [self._cost(r) for r in run_cp(self.model, scenarios, self.cp)[len(warm):]]
+        out: dict[str, list[list[BatchCost]]] = {m: [] for m in modes}
+        for m in order:
+            out[m].append(costs[:len(batches[m])])
+            costs = costs[len(batches[m]):]
+        return out
 
 
 class ModelEngine:

@@ -162,3 +162,19 @@ def test_calibration_rows_are_within_their_stated_error():
     assert got["FlashMLA sparse prefill, 64 heads"]["error_ep_exposed_pct"] is None
     assert 300 < got["FlashMLA sparse prefill, 64 heads"]["model_ep_exposed"] < 640  # gather-bound at 64 heads
     assert "not found" in table()
+
+
+def test_striped_remainder_ownership_matches_page_sharding():
+    """Model-only ownership: the 78 mod 8 = 6 first layers page-striped, the rest round-robin. Every
+    rank holds KV sharding's bytes per token, layer 0's reload is spread, and its cost equals
+    KV sharding's within the padding of the gathered span."""
+    model = load_model("glm-5")
+    mb = mode_bytes(model, 8, "bf16", "layersplit", 1 << 18, 8, "round-robin-striped")
+    assert mb.striped == (0, 1, 2, 3, 4, 5) and mb.bytes_per_token == 9 * 1284 + 6 * 1284 // 8
+    assert mb.bytes_per_token == mode_bytes(model, 8, "bf16", "kv-sharding", 1 << 18, 8).bytes_per_token
+    assert sorted(sum((tuple(h[6:]) for h in mb.held_layers), ())) == list(range(6, 78))
+    striped, shard = _one_request_cost("layersplit", "L2", "round-robin-striped"), _one_request_cost("kv-sharding", "L2")
+    rr = _one_request_cost("layersplit", "L2", "round-robin")
+    assert striped.exposed_reload_s == pytest.approx(shard.exposed_reload_s, rel=1e-6)
+    assert striped.seconds == pytest.approx(shard.seconds, rel=1e-3) and striped.seconds < rr.seconds
+    assert striped.exposed_reload_s < rr.exposed_reload_s / 10  # layer 0 no longer waits for one PCIe link
