@@ -20,10 +20,14 @@ Two things wrap every resolved function, so they hold on whichever backend runs:
   silently wrong program id). Every Triton op then runs under one process-wide lock. No lock on a
   real GPU, where launches are asynchronous and independent. ``UNSAFE_UNLOCKED_INTERPRETER``
   (tests only) turns the lock off, so the concurrency test can show the collision it prevents.
+  Inside the lock, a **launch hook** (:func:`set_launch_hook`) may wrap the launch: the stream
+  sanitizer declares there what the kernel really reads and writes, because the interpreter copies
+  every tensor argument in and out whole (``hicache.kernel_accesses``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import threading
@@ -36,6 +40,14 @@ from lsconfig import envs
 
 UNSAFE_UNLOCKED_INTERPRETER = False  # documented unsafe switch (tests only): True drops the interpreter lock
 INTERPRETER_LOCK = threading.RLock()  # held by every interpreted Triton launch (reentrant: a launcher may nest)
+_LAUNCH_HOOK: Callable | None = None  # (op, args, kwargs) -> context manager around an interpreted launch
+
+
+def set_launch_hook(hook: Callable | None) -> None:
+    """``hook(op, args, kwargs)`` returns a context manager entered around every interpreted Triton
+    launch, under the interpreter lock; ``None`` removes it. Used by ``hicache.kernel_accesses``."""
+    global _LAUNCH_HOOK
+    _LAUNCH_HOOK = hook
 
 OPS = {
     # op name -> module that holds it under dsa_kernels.reference / dsa_kernels.triton_ops
@@ -77,14 +89,18 @@ def _checked(op: str, fn: Callable) -> Callable:
     return run
 
 
-def _interpreter_locked(fn: Callable) -> Callable:
-    """``fn`` under ``INTERPRETER_LOCK`` (the Triton interpreter's state is process-global)."""
+def _interpreter_locked(op: str, fn: Callable) -> Callable:
+    """``fn`` under ``INTERPRETER_LOCK`` (the Triton interpreter's state is process-global), inside
+    the launch hook's context when one is set."""
 
     @functools.wraps(fn)
     def run(*args, **kwargs):
+        hook = _LAUNCH_HOOK
+        declared = hook(op, args, kwargs) if hook is not None else contextlib.nullcontext()
         if UNSAFE_UNLOCKED_INTERPRETER:
-            return fn(*args, **kwargs)
-        with INTERPRETER_LOCK:
+            with declared:
+                return fn(*args, **kwargs)
+        with INTERPRETER_LOCK, declared:
             return fn(*args, **kwargs)
 
     return run
@@ -93,7 +109,7 @@ def _interpreter_locked(fn: Callable) -> Callable:
 def _wrap(backend: str, op: str, fn: Callable) -> Callable:
     if backend != "triton":
         return _checked(op, fn)
-    return _interpreter_locked(fn) if envs.triton_interpret() else fn
+    return _interpreter_locked(op, fn) if envs.triton_interpret() else fn
 
 
 def resolve(op: str, device: torch.device | str, backend: str | None = None) -> tuple[str, Callable]:

@@ -9,7 +9,7 @@ import triton.language as tl
 from dsa_kernels import contract
 from dsa_kernels.layout import FP8_DTYPE, FP8_MAX, FP8_TILE, kv_dtype_of
 from dsa_kernels.triton_ops.offsets import as_offset, wide
-from dsa_kernels.triton_ops.rounding import round_to_bf16, round_to_e4m3
+from dsa_kernels.triton_ops.rounding import round_to_e4m3, to_bf16
 
 
 @triton.jit
@@ -38,14 +38,14 @@ def _pack_mla_kv_kernel(
         tl.store(row_f32_ptr + (slot * row_bytes + L) // 4 + tl.arange(0, N_TILES), scale)
         # 3. rope as bf16 at bytes [L + 4 * N_TILES, row_bytes)
         pe_base = (slot * row_bytes + L + 4 * N_TILES) // 2
-        tl.store(row_bf16_ptr + pe_base + r, round_to_bf16(pe).to(tl.bfloat16), mask=r < R)
+        tl.store(row_bf16_ptr + pe_base + r, to_bf16(pe), mask=r < R)
     else:
         # bf16 row = latent ++ rope, row_bytes // 2 elements per row
         for c0 in tl.static_range(0, L, TILE):
             c = c0 + tl.arange(0, TILE)
             x = tl.load(kv_c_ptr + i * stride_c + c, mask=c < L, other=0.0).to(tl.float32)
-            tl.store(row_bf16_ptr + slot * (row_bytes // 2) + c, round_to_bf16(x).to(tl.bfloat16), mask=c < L)
-        tl.store(row_bf16_ptr + slot * (row_bytes // 2) + L + r, round_to_bf16(pe).to(tl.bfloat16), mask=r < R)
+            tl.store(row_bf16_ptr + slot * (row_bytes // 2) + c, to_bf16(x), mask=c < L)
+        tl.store(row_bf16_ptr + slot * (row_bytes // 2) + L + r, to_bf16(pe), mask=r < R)
 
 
 @triton.jit

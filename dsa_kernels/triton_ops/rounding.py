@@ -1,16 +1,14 @@
-"""Explicit round-to-nearest-even of fp32 values onto the bf16 and e4m3 grids, before the cast.
+"""Explicit round-to-nearest-even of fp32 values to bf16 and onto the e4m3 grid, in the kernels.
 
 Why: a kernel's final ``x.to(bf16)`` / ``x.to(fp8e4nv)`` is exact on a GPU (``cvt.rn``), but the
 Triton interpreter (``TRITON_INTERPRET=1``, the CPU CI) converts with its own bit code, which
 (Triton 3.x ``interpreter._convert_float``) truncates fp32 -> bf16, and for fp32 -> fp8 rounds
 ties up instead of to even and, when the mantissa carries out, drops the carry whenever the
 exponent's low bit is set (124 -> 64 instead of 128: the "up to 2x" of DESIGN.md section 5).
-Measured before this file: 904-999 of 17160 indexer-cache bytes per 130 bf16 keys differed from
-the torch reference (tests/dsa_kernels/test_cast_bytes.py has the counts).
-
-So the kernels round the fp32 value onto the target grid themselves, with integer and exact
-fp32 operations only; the cast then receives a representable value, which every converter
-(interpreter or hardware) maps exactly. On a GPU this is the same value ``cvt.rn`` gives, so the
+So the kernels round themselves, with integer and exact fp32 operations only: bf16 is built from
+the bits (``to_bf16``); an e4m3 value is rounded onto the e4m3 grid (``round_to_e4m3``), and the
+cast then receives a representable value, which every converter (interpreter or hardware) maps
+exactly (all 2^16 bf16 values, every e4m3 tie and subnormal: ``tests/dsa_kernels/test_cast_bytes.py``). On a GPU this is the same value ``cvt.rn`` gives, so the
 bytes there do not change; under the interpreter they now equal torch's.
 """
 
@@ -21,13 +19,15 @@ import triton.language as tl  # noqa: F401  (triton.jit below)
 
 
 @triton.jit
-def round_to_bf16(x):
-    """fp32 ``x`` rounded to the nearest bf16 (ties to even), as fp32; NaN and inf kept."""
+def to_bf16(x):
+    """fp32 ``x`` as bf16, rounded to nearest even, built from the bits (no cast: the interpreter
+    also mangles fp32 subnormals it casts); inf kept, NaN -> the canonical 0x7FC0."""
     bits = x.to(tl.uint32, bitcast=True)
-    # add 0x7FFF plus the kept lsb, then drop the low 16 bits: RNE on the bit pattern, with the
-    # carry into the exponent done by the integer add (overflow past the largest bf16 gives inf)
-    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-    return tl.where(x != x, x, rounded.to(tl.float32, bitcast=True))
+    # add 0x7FFF plus the kept lsb, then keep the high 16 bits: RNE on the bit pattern, the carry
+    # into the exponent done by the integer add (overflow past the largest bf16 gives inf)
+    high = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+    high = tl.where(x != x, 0x7FC0, high)
+    return high.to(tl.uint16).to(tl.bfloat16, bitcast=True)
 
 
 @triton.jit

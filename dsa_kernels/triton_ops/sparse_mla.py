@@ -14,7 +14,7 @@ import triton.language as tl
 
 from dsa_kernels import contract
 from dsa_kernels.triton_ops.offsets import as_offset, wide
-from dsa_kernels.triton_ops.rounding import round_to_bf16
+from dsa_kernels.triton_ops.rounding import to_bf16
 from lsconfig import envs
 
 
@@ -63,10 +63,11 @@ def _sparse_mla_prefill_kernel(
     has = l_sum > 0
     out = acc / tl.where(has, l_sum, 1.0)[:, None]
     lse = tl.where(has, m + tl.log(tl.where(has, l_sum, 1.0)), float("-inf"))
-    if OUT_BF16:  # round to nearest even here: the interpreter's own fp32 -> bf16 cast truncates
-        out = round_to_bf16(out)
-    tl.store(out_ptr + t * stride_ot + h[:, None] * stride_oh + c[None, :], out.to(out_ptr.dtype.element_ty),
-             mask=hmask[:, None])
+    if OUT_BF16:  # rounded to nearest even from the bits: the interpreter's own fp32 -> bf16 cast truncates
+        out_store = to_bf16(out)
+    else:
+        out_store = out.to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + t * stride_ot + h[:, None] * stride_oh + c[None, :], out_store, mask=hmask[:, None])
     tl.store(lse_ptr + t * H + h, lse, mask=hmask)
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from dsa_kernels.dispatch import resolve
@@ -43,3 +45,42 @@ def assert_topk_equivalent(got: torch.Tensor, want: torch.Tensor, ref_scores: to
         kth = ref_scores[t, list(b)].min()
         for s in a ^ b:
             assert abs(float(ref_scores[t, s] - kth)) <= atol, f"row {t}: index {s} differs and is not a near-tie"
+
+
+HOST_READ_OPS = ("_local_scalar_dense", "nonzero", "unique", "_unique", "_unique2", "masked_select", "item")
+HOST_READ_METHODS = ("tolist", "item", "numpy", "cpu", "__int__", "__float__", "__bool__", "__index__")
+
+
+@contextlib.contextmanager
+def count_host_reads():
+    """Count what would make the host wait for the device: ops whose output size or value the host
+    must read (``.item()``, ``nonzero``, ``unique``, boolean-mask selection), and the tensor methods
+    that read data without dispatching anything on CPU (``tolist``, ``numpy``, ``int(t)``, ...).
+    Yields a list of the names seen, in order."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    seen: list[str] = []
+
+    class Mode(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = func.overloadpacket.__name__
+            if name in HOST_READ_OPS:
+                seen.append(name)
+            return func(*args, **(kwargs or {}))
+
+    originals = {m: getattr(torch.Tensor, m) for m in HOST_READ_METHODS}
+
+    def counted(method):
+        def read(self, *args, **kwargs):
+            seen.append(method)
+            return originals[method](self, *args, **kwargs)
+        return read
+
+    try:
+        for m in HOST_READ_METHODS:
+            setattr(torch.Tensor, m, counted(m))
+        with Mode():
+            yield seen
+    finally:
+        for m, fn in originals.items():
+            setattr(torch.Tensor, m, fn)
