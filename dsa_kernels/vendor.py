@@ -4,11 +4,16 @@ Each adapter checks every call against what the vendor kernel accepts and, when 
 that, runs the next tier instead (Triton for sparse MLA, the torch reference for top-k) and logs
 the reason once. Nothing here can be called with arguments the vendor kernel would misread.
 
-* ``sparse_mla_prefill`` — FlashMLA's sparse prefill (``flash_mla_sparse_fwd`` from ``sgl_kernel``).
-  Accepts: CUDA sm90 / sm100; bf16 ``q [T, h_q, d_qk]`` with ``d_qk`` 576 (or 512, no rope);
-  ``d_v = kv_lora_rank = 512``; a bf16 cache (the fp8 656-byte layout falls back); heads padded
-  with zeros to the kernel's multiple (64 on sm90, 128 on sm100) and ``K`` padded with -1 to a
-  multiple of 128. Semantics as FlashMLA's ``flash_mla/flash_mla_interface.py``
+* ``sparse_mla_prefill`` — FlashMLA's sparse prefill, ``flash_mla_sparse_fwd`` from the
+  ``sgl_kernel.flash_mla`` submodule (``sgl_kernel/__init__`` does not import it, so it is imported
+  by name, never looked up as an attribute), else from the ``flash_mla`` module of the
+  ``sgl-flash-mla`` wheel that sglang 0.5.23 requires (its ``kernels/ops/attention/flash_mla_interface``
+  calls that one). Accepts: CUDA sm90 / sm100; bf16 ``q [T, h_q, d_qk]`` with ``d_qk`` 576 (or 512,
+  no rope); ``d_v = kv_lora_rank = 512``; a bf16 cache (the fp8 656-byte layout falls back).
+  Heads: the kernel takes exactly ``h_q`` in ``FLASH_MLA_HEADS`` (64 or 128 on sm90, 128 on sm100),
+  not a multiple of them, so ``h_q`` is zero-padded to the smallest accepted count at or above it,
+  and ``h_q > 128`` runs as groups of 128 heads (per-head attention is independent: exact).
+  ``K`` is padded with -1 to a multiple of 128. Semantics as FlashMLA's ``flash_mla/flash_mla_interface.py``
   (``flash_mla_sparse_fwd``: an index of -1 or ``>= s_kv`` is invalid) and its README's definition of
   ``out`` / ``max_logits`` / ``lse``. Its lse is converted to our convention (``reference.sparse_mla``: natural log,
   ``-inf`` for a row with no valid index; FlashMLA gives ``+inf`` there). The base of FlashMLA's
@@ -24,8 +29,10 @@ the reason once. Nothing here can be called with arguments the vendor kernel wou
 from __future__ import annotations
 
 import functools
+import importlib
 import logging
 import math
+import sys
 
 import torch
 
@@ -34,7 +41,8 @@ from dsa_kernels.layout import PAGE_SIZE
 log = logging.getLogger(__name__)
 _LOGGED: set[tuple[str, str]] = set()
 
-FLASH_MLA_HEAD_MULTIPLE = {9: 64, 10: 128}  # sm major -> h_q multiple of FlashMLA's sparse prefill
+FLASH_MLA_HEADS = {9: (64, 128), 10: (128,)}  # sm major -> the h_q FlashMLA's sparse prefill accepts
+FLASH_MLA_MODULES = ("sgl_kernel.flash_mla", "flash_mla")  # where flash_mla_sparse_fwd lives, in order
 FLASH_MLA_D_QK = (512, 576)
 FLASH_MLA_D_V = 512
 FLASH_MLA_TOPK_MULTIPLE = 128  # FlashMLA's own tests use multiples of 128; -1 padding is free
@@ -58,15 +66,18 @@ def _capability(device: torch.device) -> tuple[int, int]:
 
 
 def _flash_mla() -> tuple[object, str] | None:
-    """``(flash_mla_sparse_fwd, sgl_kernel version)`` or None when not importable."""
-    try:
-        import sgl_kernel
-    except Exception:  # a GPU wheel can fail at import for many reasons: fall back, never crash
-        return None
-    fn = getattr(sgl_kernel, "flash_mla_sparse_fwd", None)
-    if fn is None:
-        fn = getattr(getattr(sgl_kernel, "flash_mla", None), "flash_mla_sparse_fwd", None)
-    return (fn, str(getattr(sgl_kernel, "__version__", "unknown"))) if fn is not None else None
+    """``(flash_mla_sparse_fwd, "<module> <version>")`` from the first of ``FLASH_MLA_MODULES`` that
+    imports and has it, or None."""
+    for name in FLASH_MLA_MODULES:
+        try:
+            module = importlib.import_module(name)  # a submodule: imported, not read off its parent
+        except Exception:  # a GPU wheel can fail at import for many reasons: fall back, never crash
+            continue
+        fn = getattr(module, "flash_mla_sparse_fwd", None)
+        if fn is not None:
+            package = sys.modules.get(name.split(".")[0], module)
+            return fn, f"{name} {getattr(package, '__version__', 'unknown')}"
+    return None
 
 
 def _flashinfer(name: str) -> object | None:
@@ -86,7 +97,7 @@ def flash_mla_unsupported(
     if not (_on_cuda(q) and _on_cuda(kv_cache) and _on_cuda(indices)):
         return "tensors not on CUDA"
     major = _capability(q.device)[0]
-    if major not in FLASH_MLA_HEAD_MULTIPLE:
+    if major not in FLASH_MLA_HEADS:
         return f"sm{major}x: FlashMLA sparse prefill runs on sm90 / sm100 only"
     if kv_cache.dtype != torch.bfloat16:
         return f"kv_cache {kv_cache.dtype}: FlashMLA sparse prefill reads a bf16 cache (fp8 layout not adapted)"
@@ -110,24 +121,41 @@ def _pad_dim(x: torch.Tensor, dim: int, multiple: int, value: float) -> torch.Te
     return torch.cat([x, x.new_full(shape, value)], dim=dim)
 
 
+def flash_mla_head_groups(heads: int, major: int) -> list[tuple[int, int, int]]:
+    """``(first head, heads in the group, h_q handed to FlashMLA)`` per call: groups of at most the
+    largest accepted h_q, each zero-padded to the smallest accepted count that holds it."""
+    accepted = FLASH_MLA_HEADS[major]
+    groups = []
+    for h0 in range(0, heads, accepted[-1]):
+        n = min(accepted[-1], heads - h0)
+        groups.append((h0, n, next(a for a in accepted if a >= n)))
+    return groups
+
+
 def _flash_mla_call(fn, q, kv_cache, indices, sm_scale: float, kv_lora_rank: int):
-    """Pad to the kernel's multiples, call, un-pad: raw ``(out, lse)`` in FlashMLA's convention."""
-    multiple = FLASH_MLA_HEAD_MULTIPLE[_capability(q.device)[0]]
-    heads = q.shape[1]
+    """Pad (and split) to what the kernel accepts, call, un-pad: raw ``(out, lse)`` in FlashMLA's
+    convention."""
     valid = (indices >= 0) & (indices < kv_cache.shape[0])
     idx = torch.where(valid, indices, -1).to(torch.int32)
-    idx = _pad_dim(idx, 1, FLASH_MLA_TOPK_MULTIPLE, -1)
-    qp = _pad_dim(q, 1, multiple, 0.0).contiguous()
-    out, _max_logits, lse = fn(qp, kv_cache.unsqueeze(1), idx.unsqueeze(1), sm_scale, kv_lora_rank)
-    return out[:, :heads], lse[:, :heads].float()
+    idx = _pad_dim(idx, 1, FLASH_MLA_TOPK_MULTIPLE, -1).unsqueeze(1)
+    kv = kv_cache.unsqueeze(1)
+    outs, lses = [], []
+    for h0, n, h_q in flash_mla_head_groups(q.shape[1], _capability(q.device)[0]):
+        qg = _pad_dim(q[:, h0:h0 + n], 1, h_q, 0.0).contiguous()
+        out, _max_logits, lse = fn(qg, kv, idx, sm_scale, kv_lora_rank)
+        outs.append(out[:, :n])
+        lses.append(lse[:, :n].float())
+    return torch.cat(outs, dim=1), torch.cat(lses, dim=1)
 
 
 @functools.cache
 def flash_mla_lse_base(version: str, device: torch.device) -> float | None:
     """FlashMLA's lse base for this ``sgl_kernel`` version, measured: ``2.0``, ``math.e`` or None.
 
-    A tiny probe (one sm-multiple of heads, 576-wide rows, 64 indices) is compared with the natural
-    lse of the torch reference; the base whose conversion matches within bf16 accuracy wins.
+    A tiny probe (the smallest accepted h_q, 576-wide rows, 64 indices) is compared with the torch
+    reference: its ``out`` must match, then the base whose lse conversion matches within bf16
+    accuracy wins. A probe that raises (a kernel that refuses the shape) or whose ``out`` differs
+    gives None: the vendor tier is then off for the op (logged by the caller).
     """
     from dsa_kernels.reference.sparse_mla import sparse_mla_prefill as reference
 
@@ -136,12 +164,18 @@ def flash_mla_lse_base(version: str, device: torch.device) -> float | None:
         return None
     fn, dev = found[0], device
     gen = torch.Generator().manual_seed(0)
-    heads = FLASH_MLA_HEAD_MULTIPLE[_capability(dev)[0]]
+    heads = FLASH_MLA_HEADS[_capability(dev)[0]][0]
     q = torch.randn(4, heads, 576, generator=gen).to(torch.bfloat16).to(dev)
     kv = torch.randn(256, 576, generator=gen).to(torch.bfloat16).to(dev)
     idx = torch.stack([torch.randperm(256, generator=gen)[:64] for _ in range(4)]).to(torch.int32).to(dev)
-    _, lse = _flash_mla_call(fn, q, kv, idx, 576**-0.5, 512)
-    _, want = reference(q, kv, idx, 576**-0.5, 512)
+    try:
+        out, lse = _flash_mla_call(fn, q, kv, idx, 576**-0.5, 512)
+    except Exception as e:  # noqa: BLE001 - a refusal (TORCH_CHECK) disables the tier, it must not crash
+        log.warning("dsa_kernels: FlashMLA probe raised %r", e)
+        return None
+    want_out, want = reference(q, kv, idx, 576**-0.5, 512)
+    if not torch.allclose(out.float(), want_out, rtol=2e-2, atol=2e-2):
+        return None
     for base in (math.e, 2.0):
         if torch.allclose(lse * math.log(base), want, rtol=1e-2, atol=1e-2):
             return base
@@ -152,7 +186,7 @@ def sparse_mla_prefill(q, kv_cache, indices, sm_scale: float, kv_lora_rank: int)
     """FlashMLA where the gate passes, else the Triton kernel; ``(out [T, H, L], lse [T, H])`` in our
     convention either way (see the module docstring)."""
     found = _flash_mla()
-    reason = "sgl_kernel flash_mla_sparse_fwd not importable" if found is None else \
+    reason = f"flash_mla_sparse_fwd not importable from {' or '.join(FLASH_MLA_MODULES)}" if found is None else \
         flash_mla_unsupported(q, kv_cache, indices, kv_lora_rank)
     base = None
     if reason is None:

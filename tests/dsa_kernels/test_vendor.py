@@ -16,19 +16,37 @@ from dsa_kernels.reference import indexer as ref_indexer
 from dsa_kernels.reference.sparse_mla import sparse_mla_prefill as reference_mla
 
 
-def fake_sgl_kernel(version: str, base: float | None, calls: list) -> types.ModuleType:
-    """``flash_mla_sparse_fwd`` in torch with the kernel's contract asserted: bf16 q with heads a
-    multiple of 64, kv ``[S, 1, d_qk]`` bf16, int32 indices ``[T, 1, K]`` with K a multiple of 128,
-    d_v 512; lse in ``base`` (None: garbage), ``+inf`` for a row with no valid index."""
+def install_fake_flash_mla(monkeypatch, version: str, base: float | None, calls: list, state: dict) -> None:
+    """A fake ``sgl_kernel`` package whose ``flash_mla`` is a real submodule in ``sys.modules`` and
+    NOT an attribute of the package, as upstream's ``sgl_kernel/__init__`` leaves it (an adapter that
+    reads ``sgl_kernel.flash_mla`` as an attribute finds nothing). The ``flash_mla`` wheel's module
+    is made unimportable."""
+    package = types.ModuleType("sgl_kernel")
+    package.__version__ = version
+    package.__path__ = []  # a package: submodules may live under it
+    monkeypatch.setitem(sys.modules, "sgl_kernel", package)
+    monkeypatch.setitem(sys.modules, "sgl_kernel.flash_mla", fake_flash_mla_module(base, calls, state))
+    monkeypatch.setitem(sys.modules, "flash_mla", None)
+
+
+def fake_flash_mla_module(base: float | None, calls: list, state: dict) -> types.ModuleType:
+    """``flash_mla_sparse_fwd`` in torch with the kernel's contract asserted: bf16 q with exactly
+    h_q in the accepted set of the device (64 or 128 on sm90, 128 on sm100), kv ``[S, 1, d_qk]``
+    bf16, int32 indices ``[T, 1, K]`` with K a multiple of 128, d_v 512; lse in ``base`` (None:
+    garbage), ``+inf`` for a row with no valid index."""
     def flash_mla_sparse_fwd(q, kv, indices, sm_scale, d_v):
-        assert q.dtype == kv.dtype == torch.bfloat16 and q.shape[1] % 64 == 0 and d_v == 512
+        accepted = {9: (64, 128), 10: (128,)}[state["sm"]]
+        assert q.shape[1] in accepted, f"h_q {q.shape[1]}: FlashMLA's TORCH_CHECK refuses it"
+        assert q.dtype == kv.dtype == torch.bfloat16 and d_v == 512
         assert kv.dim() == 3 and kv.shape[1] == 1 and indices.dtype == torch.int32 and indices.shape[2] % 128 == 0
         calls.append((tuple(q.shape), tuple(indices.shape)))
         out, lse = reference_mla(q, kv[:, 0], indices[:, 0], sm_scale, d_v)
         lse = torch.where(torch.isneginf(lse), float("inf"), lse)
         lse = lse / math.log(base) if base else torch.full_like(lse, 3.0)
         return out.to(torch.bfloat16), lse, lse
-    return types.SimpleNamespace(__version__=version, flash_mla_sparse_fwd=flash_mla_sparse_fwd)
+    module = types.ModuleType("sgl_kernel.flash_mla")
+    module.flash_mla_sparse_fwd = flash_mla_sparse_fwd
+    return module
 
 
 def fake_flashinfer(calls: list) -> types.ModuleType:
@@ -59,7 +77,7 @@ def fake_gpu(monkeypatch):
     monkeypatch.setattr(vendor, "_on_cuda", lambda t: True)
     monkeypatch.setattr(vendor, "_capability", lambda dev: (state["sm"], 0))
     monkeypatch.setitem(sys.modules, "flashinfer", fake_flashinfer(state["fi_calls"]))
-    monkeypatch.setitem(sys.modules, "sgl_kernel", fake_sgl_kernel("0.3.legacy", 2.0, state["mla_calls"]))
+    install_fake_flash_mla(monkeypatch, "0.3.legacy", 2.0, state["mla_calls"], state)
     vendor.flash_mla_lse_base.cache_clear()
     vendor._LOGGED.clear()
     yield state
@@ -78,17 +96,22 @@ def mla_inputs(t, h, k, lat, rope, rows, q_dtype=torch.bfloat16, seed=0):
     return q, kv, idx
 
 
-# (id, sm major, T, heads, K, latent, rope, q dtype, cache, -> vendor?, padded heads, padded K)
+# (id, sm major, T, heads, K, latent, rope, q dtype, cache, -> vendor?, h_q of each call, padded K)
 MLA_MATRIX = [
-    ("glm5-h64-sm90", 9, 3, 64, 128, 512, 64, torch.bfloat16, "bf16", True, 64, 128),
-    ("tp-shard-h16-pad64", 9, 3, 16, 256, 512, 64, torch.bfloat16, "bf16", True, 64, 256),
-    ("h64-sm100-pad128", 10, 2, 64, 128, 512, 64, torch.bfloat16, "bf16", True, 128, 128),
-    ("k100-pad128", 9, 2, 64, 100, 512, 64, torch.bfloat16, "bf16", True, 64, 128),
-    ("no-rope-d512", 9, 2, 64, 64, 512, 0, torch.bfloat16, "bf16", True, 64, 128),
-    ("q-fp32", 9, 2, 16, 64, 512, 64, torch.float32, "bf16", False, 0, 0),
-    ("fp8-cache", 9, 2, 16, 64, 512, 64, torch.bfloat16, "fp8", False, 0, 0),
-    ("tiny-d144", 9, 2, 4, 16, 128, 16, torch.bfloat16, "bf16", False, 0, 0),
-    ("sm80", 8, 2, 64, 64, 512, 64, torch.bfloat16, "bf16", False, 0, 0),
+    ("glm5-h64-sm90", 9, 3, 64, 128, 512, 64, torch.bfloat16, "bf16", True, (64,), 128),
+    ("tp-shard-h16-pad64", 9, 3, 16, 256, 512, 64, torch.bfloat16, "bf16", True, (64,), 256),
+    ("h96-pad128", 9, 2, 96, 128, 512, 64, torch.bfloat16, "bf16", True, (128,), 128),
+    ("dsv32-h128", 9, 2, 128, 128, 512, 64, torch.bfloat16, "bf16", True, (128,), 128),
+    ("h200-two-groups", 9, 2, 200, 128, 512, 64, torch.bfloat16, "bf16", True, (128, 128), 128),
+    ("h256-two-groups", 9, 2, 256, 128, 512, 64, torch.bfloat16, "bf16", True, (128, 128), 128),
+    ("h64-sm100-pad128", 10, 2, 64, 128, 512, 64, torch.bfloat16, "bf16", True, (128,), 128),
+    ("h16-sm100-pad128", 10, 2, 16, 128, 512, 64, torch.bfloat16, "bf16", True, (128,), 128),
+    ("k100-pad128", 9, 2, 64, 100, 512, 64, torch.bfloat16, "bf16", True, (64,), 128),
+    ("no-rope-d512", 9, 2, 64, 64, 512, 0, torch.bfloat16, "bf16", True, (64,), 128),
+    ("q-fp32", 9, 2, 16, 64, 512, 64, torch.float32, "bf16", False, (), 0),
+    ("fp8-cache", 9, 2, 16, 64, 512, 64, torch.bfloat16, "fp8", False, (), 0),
+    ("tiny-d144", 9, 2, 4, 16, 128, 16, torch.bfloat16, "bf16", False, (), 0),
+    ("sm80", 8, 2, 64, 64, 512, 64, torch.bfloat16, "bf16", False, (), 0),
 ]
 
 
@@ -106,7 +129,7 @@ def test_flash_mla_gating_matrix(fake_gpu, name, sm, t, h, k, lat, rope, q_dtype
     want_out, want_lse = reference_mla(q, kv, idx, 0.07, lat)
     calls = [c for c in fake_gpu["mla_calls"] if c[0][0] == t]  # the lse probe calls with T = 4
     if to_vendor:
-        assert calls == [((t, h_pad, lat + rope), (t, 1, k_pad))]
+        assert calls == [((t, h_q, lat + rope), (t, 1, k_pad)) for h_q in h_pad]
     else:
         assert calls == []
     assert out.shape == (t, h, lat) and lse.shape == (t, h)
@@ -119,7 +142,7 @@ def test_flash_mla_gating_matrix(fake_gpu, name, sm, t, h, k, lat, rope, q_dtype
 @pytest.mark.parametrize("version,base,expect", [("0.3.legacy", 2.0, 2.0), ("0.4.natural", math.e, math.e),
                                                  ("0.5.garbage", None, None)])
 def test_lse_base_measured_per_version(fake_gpu, monkeypatch, caplog, version, base, expect):
-    monkeypatch.setitem(sys.modules, "sgl_kernel", fake_sgl_kernel(version, base, fake_gpu["mla_calls"]))
+    install_fake_flash_mla(monkeypatch, version, base, fake_gpu["mla_calls"], fake_gpu)
     assert vendor.flash_mla_lse_base(version, torch.device("cpu")) == expect
     q, kv, idx = mla_inputs(2, 64, 64, 512, 64, 100)
     with caplog.at_level(logging.WARNING, logger="dsa_kernels.vendor"):
@@ -143,6 +166,8 @@ def test_fallback_logged_once_per_reason(fake_gpu, caplog):
 
 def test_without_vendor_modules_nothing_is_offered(monkeypatch):
     monkeypatch.setitem(sys.modules, "sgl_kernel", None)  # import fails
+    monkeypatch.setitem(sys.modules, "sgl_kernel.flash_mla", None)
+    monkeypatch.setitem(sys.modules, "flash_mla", None)
     monkeypatch.setitem(sys.modules, "flashinfer", None)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert vendor.available() == {}
@@ -225,3 +250,50 @@ def _slot_to_pos(slots: torch.Tensor, table_row: torch.Tensor) -> torch.Tensor:
     slots = slots[slots >= 0].long()
     page_of = {int(p): i for i, p in enumerate(table_row.tolist())}
     return torch.tensor([page_of[int(s) // 64] * 64 + int(s) % 64 for s in slots], dtype=torch.long)
+
+
+def test_flash_mla_found_as_submodule_not_attribute(fake_gpu):
+    """The fake's ``flash_mla`` is only in ``sys.modules`` (upstream's package ``__init__`` does not
+    import it): the adapter must import it by name; reading the package attribute finds nothing."""
+    assert getattr(sys.modules["sgl_kernel"], "flash_mla", None) is None
+    found = vendor._flash_mla()
+    assert found is not None and found[1] == "sgl_kernel.flash_mla 0.3.legacy"
+
+
+def test_flash_mla_wheel_module_when_sgl_kernel_has_none(fake_gpu, monkeypatch):
+    """sglang 0.5.23's own FlashMLA: the ``flash_mla`` module of the ``sgl-flash-mla`` wheel."""
+    wheel = fake_flash_mla_module(2.0, fake_gpu["mla_calls"], fake_gpu)
+    wheel.__version__ = "1.0.0"
+    monkeypatch.setitem(sys.modules, "sgl_kernel.flash_mla", None)
+    monkeypatch.setitem(sys.modules, "flash_mla", wheel)
+    assert vendor._flash_mla()[1] == "flash_mla 1.0.0"
+    q, kv, idx = mla_inputs(2, 16, 128, 512, 64, 100)
+    vendor.sparse_mla_prefill(q, kv, idx, 0.07, 512)
+    assert ((2, 64, 576), (2, 1, 128)) in fake_gpu["mla_calls"]
+
+
+@pytest.mark.parametrize("heads,sm,want", [
+    (16, 9, [(0, 16, 64)]), (64, 9, [(0, 64, 64)]), (65, 9, [(0, 65, 128)]), (128, 9, [(0, 128, 128)]),
+    (130, 9, [(0, 128, 128), (128, 2, 64)]), (200, 9, [(0, 128, 128), (128, 72, 128)]),
+    (16, 10, [(0, 16, 128)]), (256, 10, [(0, 128, 128), (128, 128, 128)])])
+def test_flash_mla_head_groups_only_accepted_sizes(heads, sm, want):
+    groups = vendor.flash_mla_head_groups(heads, sm)
+    assert groups == want
+    assert all(h_q in vendor.FLASH_MLA_HEADS[sm] for _, _, h_q in groups)
+    assert sum(n for _, n, _ in groups) == heads
+
+
+def test_flash_mla_probe_that_raises_disables_the_tier(fake_gpu, monkeypatch, caplog):
+    """A kernel that refuses the probe's shape (its TORCH_CHECK) turns the tier off, logged; the call
+    still returns the Triton result."""
+    def refuse(*args):
+        raise RuntimeError("h_q must be 64 or 128")
+
+    monkeypatch.setattr(sys.modules["sgl_kernel.flash_mla"], "flash_mla_sparse_fwd", refuse)
+    q, kv, idx = mla_inputs(2, 64, 64, 512, 64, 100)
+    with caplog.at_level(logging.WARNING, logger="dsa_kernels.vendor"):
+        out, lse = vendor.sparse_mla_prefill(q, kv, idx, 0.07, 512)
+    assert any("not established" in r.getMessage() for r in caplog.records)
+    want_out, want_lse = reference_mla(q, kv, idx, 0.07, 512)
+    finite = torch.isfinite(want_lse)
+    assert (lse[finite] - want_lse[finite]).abs().max() < 1e-3
