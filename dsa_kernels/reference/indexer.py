@@ -60,6 +60,10 @@ def indexer_scores(
     index_cache ``[P, 64 * (D + 4)]`` uint8; page_table ``[B, max_pages]`` (request ``b``'s token
     ``s`` lives in slot ``page_table[b, s // 64] * 64 + s % 64``); req_idx ``[T]`` (request of each
     query row); positions ``[T]`` (the query's position in its request).
+
+    Host reads: this reference loops over the batch's requests on the host (``unique().tolist()``,
+    ``nonzero``, ``int(max)``: three per request), fine for the CPU fallback it is; the Triton
+    kernel, the path a GPU takes, reads nothing back.
     """
     q_fp8, w = _as_quantized(q, weights)
     t_count, heads = q_fp8.shape[:2]
