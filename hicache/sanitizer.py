@@ -58,7 +58,7 @@ import itertools
 import threading
 import weakref
 from collections import Counter
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -68,7 +68,8 @@ from torch.utils._pytree import tree_flatten
 
 from hicache.sanitizer_access import COPIES, SKIP, byte_ranges, index_rows, is_host, op_accesses, where
 from hicache.sanitizer_access import mark_host_memory  # part of this module's API
-from hicache import sanitizer_host
+from dsa_kernels import dispatch
+from hicache import kernel_accesses, sanitizer_host
 
 _active: "Sanitizer | None" = None
 _CURRENT_STREAM = None  # set by a torch.cuda-shaped device module: the calling host thread's current stream
@@ -505,6 +506,21 @@ def current() -> Sanitizer | None:
     return _active
 
 
+def _declare_launch(op: str, args: tuple, kwargs: dict):
+    """The dispatch layer's launch hook: an interpreted Triton launch is an :func:`opaque` op with the
+    kernel's own reads and writes (:mod:`hicache.kernel_accesses`), not the interpreter's whole-tensor
+    copies in and out."""
+    san = _active
+    if san is None:
+        return nullcontext()
+    previous, san._tls.internal = getattr(san._tls, "internal", False), True  # its own reads of the index
+    try:
+        reads, writes = kernel_accesses.accesses(op, args, kernel_accesses.distinct_rows)
+    finally:
+        san._tls.internal = previous
+    return opaque(f"{op} (Triton, interpreted)", reads=reads, writes=writes)
+
+
 def enable() -> Sanitizer:
     """Start sanitizing (this process): accesses on this thread and on every stream worker."""
     global _active
@@ -512,6 +528,7 @@ def enable() -> Sanitizer:
         _active = Sanitizer()
         _active._enter_mode()
         sanitizer_host.install(current)
+        dispatch.set_launch_hook(_declare_launch)  # interpreted Triton launches declare their real accesses
     return _active
 
 
@@ -520,6 +537,7 @@ def disable() -> Sanitizer | None:
     global _active
     san, _active = _active, None
     sanitizer_host.uninstall()
+    dispatch.set_launch_hook(None)
     mode = getattr(san._tls, "mode", None) if san is not None else None
     if mode is not None:
         san._tls.mode = None

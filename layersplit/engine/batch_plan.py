@@ -42,13 +42,19 @@ class BatchPlan:
     local: list[torch.Tensor]  # per rank: global indices of its new tokens
     max_ctx: int
 
-    def to(self, device) -> "BatchPlan":
-        """The same plan with its tensors on ``device`` (built on the host, used where the caches live)."""
+    def to(self, device, pin_memory: bool = False) -> "BatchPlan":
+        """The same plan with its tensors on ``device`` (built on the host, used where the caches live).
+        Copies are ``non_blocking``: from pinned memory (``pin_memory``, where an accelerator exists)
+        they are asynchronous H2D copies on the current stream, so the host does not wait; the
+        caching host allocator keeps the pinned sources until the copies ran."""
         import dataclasses
 
-        moved = {f.name: getattr(self, f.name).to(device) for f in dataclasses.fields(self)
+        def move(t: torch.Tensor) -> torch.Tensor:
+            return (t.pin_memory() if pin_memory else t).to(device, non_blocking=True)
+
+        moved = {f.name: move(getattr(self, f.name)) for f in dataclasses.fields(self)
                  if isinstance(getattr(self, f.name), torch.Tensor)}
-        return dataclasses.replace(self, **moved, local=[x.to(device) for x in self.local])
+        return dataclasses.replace(self, **moved, local=[move(x) for x in self.local])
 
     @property
     def n_bcast(self) -> int:

@@ -103,7 +103,7 @@ class EngineConfig:
 @dataclass
 class RankResult:
     rank: int
-    hidden: torch.Tensor  # [n_local, hidden]
+    hidden: torch.Tensor  # [n_local, hidden] (on the engine's device; ``host()`` copies it back)
     local: torch.Tensor  # global new-token indices of ``hidden``'s rows
     seconds: float
     kv_bytes: dict[str, int]
@@ -116,6 +116,11 @@ class RankResult:
     # non-owned layer -> {"indexer": .., "attention": ..}: whether that op happens after the layer's KV
     # broadcast completed, in the issued program's happens-before order (same on every run and device)
     kv_order: dict[int, dict[str, bool]] = field(default_factory=dict)
+
+    def host(self) -> "RankResult":
+        """This result with its tensors copied to the host (after the forward, outside it)."""
+        self.hidden, self.local = self.hidden.cpu(), self.local.cpu()
+        return self
 
 
 def prefix_rows(spec, request_id: int, layer: int, n: int, seed: int) -> tuple[torch.Tensor, ...]:
@@ -196,7 +201,8 @@ class RankEngine:
         with sanitizer.host_work():  # the host tier is written by the host
             fill_prefix(host, host.layers, plan, self.cfg.prefix_seed, only=host_reqs)
         pages = sorted({p for b in host_reqs for p in plan.pool_pages[b][: -(-plan.requests[b].prefix_len // PAGE_SIZE)]})
-        self.pool.pool.fill_pages(torch.tensor(pages, dtype=torch.int64, device=self.rt.device), POISON)
+        page_ids = torch.tensor(pages, dtype=torch.int64, pin_memory=self.rt.pin_memory)  # host: no sync to build
+        self.pool.pool.fill_pages(page_ids.to(self.rt.device, non_blocking=True), POISON)
         poisoned = self.rt.event()  # hazard: the load stream overwrites these pages after the poison
         poisoned.record(self.compute)
         return host, pages, [] if "poison_fence" in self.unsafe else [poisoned]
@@ -307,7 +313,7 @@ class RankEngine:
         # the indexer's per-block context extents, from the host plan (no device read per layer)
         self._extents = query_block_extents(plan.new_pos[plan.local[self.rank]], plan.max_ctx)
         with self.compute.active():  # the host's tensor work below is the compute stream's
-            return self._prefill(requests, plan.to(self.rt.device))
+            return self._prefill(requests, plan.to(self.rt.device, pin_memory=self.rt.pin_memory))
 
     def _prefill(self, requests: list[Request], plan: BatchPlan) -> RankResult:
         self._bcast_bytes: dict[int, int] = {}
@@ -343,7 +349,8 @@ class RankEngine:
         for b in range(len(requests)):
             self.pool.pool.allocator.free(plan.pool_pages[b])
         waits = sum(s.elapsed_time(e) for name, s, e in self._waits if name.startswith("bcast")) / 1e3
-        return RankResult(self.rank, h.cpu(), loc.cpu(), seconds, self.pool.kv_bytes(), dict(self._bcast_bytes),
+        # device tensors: the caller copies them to the host after the forward (the launcher does)
+        return RankResult(self.rank, h, loc, seconds, self.pool.kv_bytes(), dict(self._bcast_bytes),
                           list(self.tracer.events), load.bytes_copied if load else 0, waits,
                           kv_order=self._kv_order())
 
