@@ -138,10 +138,13 @@ def run_pd(args: argparse.Namespace) -> int:
         return 0
     broken = failures(report)
     if args.guard_off:  # UNSAFE: the run is expected to show what the guard closes
+        import sys
+
         if not broken:
-            print(f"warning: no failure with {', '.join(args.guard_off)} off; run more --requests or its scenario")
+            print(f"warning: no failure with {', '.join(args.guard_off)} off; run more --requests or its scenario",
+                  file=sys.stderr)
             return 3
-        print("UNSAFE run failed as expected: " + ", ".join(broken))
+        print("UNSAFE run failed as expected: " + ", ".join(broken), file=sys.stderr)
         return 0
     if broken:  # the safe protocol let a write land on a reused page, leaked, or still holds pages: a bug
         import sys

@@ -34,9 +34,10 @@ def _bfs(bounds: CheckBounds, start: float) -> dict:
     root = build_world(bounds)
     parents: dict[int, tuple[int | None, str | None]] = {fingerprint(root): (None, None)}
     frontier = [(fingerprint(root), pickle.dumps(root, pickle.HIGHEST_PROTOCOL))]
-    stats = {"transitions": 0, "terminal_states": 0, "pruned_by_channel_capacity": 0}
+    stats = {"transitions": 0, "terminal_states": 0, "pruned_by_channel_capacity": 0, "frontier_sizes": []}
     depth, stopped = 0, None
     while frontier and stopped is None:
+        stats["frontier_sizes"].append(len(frontier))
         next_frontier = []
         for fp, blob in frontier:
             world = pickle.loads(blob)

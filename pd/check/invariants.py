@@ -9,9 +9,13 @@ Safety, every state:
     and exactly the pages nobody owns;
   * ``corrupt_read``: decode never starts on KV that is not wholly its own (checksum);
   * ``prefill_window``: a prefill process holds no record or tombstone below the floor decode told it.
-Liveness under fairness, terminal states (faults stopped, every owed event fired, every message gone):
-  * ``stuck``: every request decode still holds is quarantined (or queued behind quarantined pages);
-  * ``needless_quarantine``: only pages some rank may still write are quarantined;
+  * ``fenced_write_landed``: no write of a fenced prefill process reached decode's memory;
+  * ``false_late_rejection``: no prefill rank rejects, as late, a TransferRequest decode still waits on.
+A pending write the engine or decode's memory will refuse (a fenced process's, an old decode life's)
+threatens no page. Liveness under fairness, terminal states (faults stopped, every owed event fired —
+restarts, lease expiries, fence timers, heals — every message gone):
+  * ``held_for_ever``: decode holds no request any more — none quarantined for ever, none queued behind
+    one — since every rank is up again or was fenced (issue 25: quarantine was terminal);
   * ``leak``: every decode page and prefill source page is free or held by a live record.
 """
 
@@ -32,6 +36,9 @@ def violations(w) -> list[str]:
         if getattr(e[2], "__name__", "") != "_write":
             continue
         (page, _), tag, payload = e[3][1], e[3][2], e[3][3]
+        engine = e[2].__self__
+        if engine._refuses(engine._batches[e[3][0]].owner) or not d.kv.accepts(tag):
+            continue  # refused where it lands (fenced process / dead decode life): it threatens nothing
         if d.kv.owner[page] != tag:
             found.append(f"freed_while_writing: decode page {page} is {_tag(d.kv.owner[page])} while a write of "
                          f"{_tag(tag)} to it is still in flight")
@@ -47,6 +54,11 @@ def violations(w) -> list[str]:
             found.append(f"source_freed_while_writing: prefill{n.peer} page {page} read as {_tag(tag)}, owned by {_tag(owner)}")
     if d.stats["checksum_mismatches"]:
         found.append("corrupt_read: decode started on KV that is not wholly its request's")
+    for n in c.prefills:
+        if n.engine.stats["fenced_landed"]:
+            found.append(f"fenced_write_landed: a write of a fenced prefill{n.peer} process reached decode's memory")
+    if c.stats["false_late_rejections"]:
+        found.append("false_late_rejection: a prefill rank rejected as late a TransferRequest decode still waits on")
     found += _window(w)
     return found
 
@@ -55,14 +67,11 @@ def terminal_violations(w) -> list[str]:
     """The liveness invariants a terminal ``w`` breaks."""
     c, found = w.cluster, []
     d = c.decode
-    quarantine_holds = any(r.quarantined for r in d.reqs.values())
     for room in sorted(d.reqs):
         r = d.reqs[room]
-        if r.quarantined and not (r.told - r.done_peers):
-            found.append(f"needless_quarantine: room {room}'s pages are quarantined but no rank was ever told them "
-                         f"(told {sorted(r.told)}, done {sorted(r.done_peers)})")
-        elif not r.quarantined and not (r in d.queue and quarantine_holds):
-            found.append(f"stuck: room {room} ({r.state}) is still held with nothing left to move it")
+        what = "quarantined" if r.quarantined else "queued for pages" if not r.pages else r.state
+        found.append(f"held_for_ever: room {room} ({what}, waiting on ranks {sorted(r.unacked)}) is still held "
+                     f"though every rank is up or fenced and nothing is left to move it")
     if c.leaked_pages():
         found.append(f"leak: {c.leaked_pages()} decode page(s) neither free nor held by a request")
     if c.prefill_leaked_pages():
@@ -86,7 +95,7 @@ def _window(w) -> list[str]:
     for n in w.cluster.prefills:
         if not n.alive:
             continue
-        floor = w.floors_told.get((n.peer, n.incarnation), 0)
+        floor = w.floors_told.get((n.peer, n.incarnation, n.decode_life), 0)
         below = sorted({r.msg.room for r in n.book.records.values() if r.msg.epoch < floor}
                        | {room for room, epoch in n.book.tombstones.items() if epoch < floor})
         if below:

@@ -24,19 +24,22 @@ from pd.transfer_engine import TransferEngine, WriteTag
 
 _COUNTERS = {"stats", "rng"}
 FIELDS: dict[type, tuple[set[str], set[str]]] = {  # class -> (state, ignored)
-    DecodeNode: ({"reqs", "queue", "watermarks", "_epoch", "kv"},
+    DecodeNode: ({"reqs", "queue", "watermarks", "_epoch", "kv", "life", "fenced"},
                  _COUNTERS | {"loop", "cfg", "send", "topology", "registry", "on_finish", "release_latencies",
-                              "abort_reasons"}),
+                              "abort_reasons", "fence_writer", "fences", "releases", "held_aborted_pages",
+                              "peak_held_aborted_pages"}),
     DecodeRequest: ({"rid", "room", "n_pages", "state", "pages", "tags", "epoch", "incarnations", "told", "done_peers",
-                     "open_ranks", "abort_reason", "abort_token", "unacked", "sends", "quarantined"}, {"aborted_at"}),
-    PrefillNode: ({"incarnation", "alive", "up", "book", "kv", "queue", "engine"},
-                  _COUNTERS | {"peer", "loop", "cfg", "send", "layers", "fraction", "registry", "_past_peaks"}),
+                     "open_ranks", "abort_reason", "abort_token", "unacked", "sends", "quarantined", "resend_armed"},
+                    {"aborted_at"}),
+    PrefillNode: ({"incarnation", "alive", "up", "book", "kv", "queue", "engine", "decode_life", "orphans"},
+                  _COUNTERS | {"peer", "loop", "cfg", "send", "layers", "fraction", "registry", "_past_peaks",
+                               "on_late_reject"}),
     PrefillRequest: ({"msg", "incarnation", "sources", "source_tags", "computing", "lease", "aborted", "token",
-                      "failed", "posted_all", "done"}, set()),
-    TransferEngine: ({"_status", "_batches", "_in_flight", "_drain_waiters"},
+                      "failed", "posted_all", "done", "orphaned"}, set()),
+    TransferEngine: ({"_status", "_batches", "_in_flight", "_drain_waiters", "fenced_upto"},
                      _COUNTERS | {"loop", "land", "faults", "_next"}),
-    PDCluster: ({"rooms", "attempts", "latest", "decode", "prefills", "channel", "loop", "registry"},
-                _COUNTERS | {"cfg", "fault_rng", "outcomes", "retries"}),
+    PDCluster: ({"rooms", "attempts", "latest", "decode", "prefills", "channel", "loop", "registry", "partitioned"},
+                _COUNTERS | {"cfg", "fault_rng", "outcomes", "retries", "misaddress_rng", "watch"}),
     ChoiceChannel: ({"queues", "late"}, {"stats", "_handlers"}),
 }
 
@@ -64,12 +67,15 @@ class _Canon:
     def __init__(self, world) -> None:
         self.names: dict[tuple, int] = {}
         self.world = world
+        # past the re-send bound the count changes nothing but a (capped) delay, which orders nothing here:
+        # without the cap a rank that never answers would make the state space infinite
+        self.sends_bound = world.bounds.abort_sends
 
     def name(self, kind: str, raw) -> int | None:
         return None if raw is None else self.names.setdefault((kind, raw), len(self.names))
 
     def tag(self, t: WriteTag | None):
-        return None if t is None else (t.room, self.name("gen", t.generation))
+        return None if t is None else (t.room, self.name("gen", t.generation), t.life)
 
     def obj(self, o):
         key = ("obj", id(o))
@@ -80,20 +86,20 @@ class _Canon:
             return ("D", o.rid, o.room, o.n_pages, _STATE.get(o.state, o.state), tuple(o.pages), tuple(self.tag(t) for t in o.tags),
                     o.epoch, o.incarnations, tuple(sorted(o.told)), tuple(sorted(o.done_peers)),
                     tuple(sorted(o.open_ranks)), o.abort_reason, self.name("tok", o.abort_token),
-                    tuple(sorted(o.unacked)), o.sends, o.quarantined)
+                    tuple(sorted(o.unacked)), min(o.sends, self.sends_bound), o.quarantined, o.resend_armed)
         assert isinstance(o, PrefillRequest), f"no canonical form for {type(o).__name__}"
         return ("P", self.msg(o.msg), o.incarnation, tuple(o.sources), tuple(self.tag(t) for t in o.source_tags),
-                o.computing, o.lease, o.aborted, self.name("tok", o.token), o.failed, o.posted_all, o.done)
+                o.computing, o.lease, o.aborted, self.name("tok", o.token), o.failed, o.posted_all, o.done, o.orphaned)
 
     def msg(self, m):
         if isinstance(m, TransferRequest):
             return ("TR", m.rid, m.room, m.epoch, m.incarnation, m.floor, m.pages,
-                    tuple(self.name("gen", g) for g in m.generations))
+                    tuple(self.name("gen", g) for g in m.generations), m.decode_life)
         if isinstance(m, Abort):
-            return ("A", m.rid, m.room, self.name("tok", m.token), m.epoch, m.floor)
+            return ("A", m.rid, m.room, self.name("tok", m.token), m.epoch, m.floor, m.decode_life)
         if isinstance(m, AbortAck):
-            return ("AA", m.rid, m.room, self.name("tok", m.token), m.peer, m.incarnation)
-        return (type(m).__name__, m.rid, m.room, m.peer)
+            return ("AA", m.rid, m.room, self.name("tok", m.token), m.peer, m.incarnation, m.decode_life)
+        return (type(m).__name__, m.rid, m.room, m.peer, m.incarnation, m.decode_life)
 
     def value(self, v):
         if isinstance(v, (DecodeRequest, PrefillRequest)):
@@ -158,23 +164,26 @@ def canonical(world) -> tuple:
     decode = (_pages(k, d.kv, d.kv.data, len(d.kv.overwrites)), tuple(k.obj(d.reqs[room]) for room in sorted(d.reqs)),
               tuple(k.obj(r) for r in d.queue), d._epoch,
               tuple((tuple(sorted(e for e in w._open if e not in w._closed)), w._next) for w in d.watermarks),
-              d.stats["checksum_mismatches"])  # the one statistic an invariant reads
+              d.stats["checksum_mismatches"], d.life, tuple(d.fenced))  # the statistic an invariant reads
     prefills = tuple(
         (n.incarnation, n.alive, n.up, k.name("kv", id(n.kv)), _pages(k, n.kv, n.kv.content, len(n.kv.stale_reads)),
          tuple((room, k.obj(n.book.records[room])) for room in sorted(n.book.records)),
          tuple(sorted(n.book.tombstones.items())), n.book.floor, tuple(sorted(n.book._by_epoch)),
-         tuple(k.obj(r) for r in n.queue))
+         tuple(k.obj(r) for r in n.queue), n.decode_life,
+         tuple(k.obj(r) for r in sorted(n.orphans, key=lambda r: (r.msg.room, r.incarnation))))
         for n in c.prefills)
     engines = tuple(
         (tuple((k.name("batch", (rank, b)), e._status[b], rec.owner, rec.remaining, k.value(rec.on_status),
                 k.value(rec.on_quiesced)) for b, rec in sorted(e._batches.items())),
          tuple(sorted((o, v) for o, v in e._in_flight.items() if v)),
-         tuple((k.value(owners), k.value(fn)) for owners, fn in e._drain_waiters))
+         tuple((k.value(owners), k.value(fn)) for owners, fn in e._drain_waiters),
+         e.fenced_upto, e.stats["fenced_landed"])  # the statistic an invariant reads
         for rank, e in enumerate(n.engine for n in c.prefills))
     channel = (tuple((pair, tuple(k.msg(m) for m in q)) for pair, q in sorted(world.channel.queues.items()) if q),
                tuple(sorted(((pair, k.msg(m)) for pair, m in world.channel.late), key=repr)))
     events = tuple(_event(k, e) for e in sorted(c.loop.events(), key=_sort_key))
-    return (decode, prefills, engines, tuple(c.registry._serving), channel, events, c.rooms,
+    return (decode, prefills, engines, tuple(c.registry._serving), tuple(c.registry.revoked), channel, events,
+            c.rooms, tuple(sorted(c.partitioned)), c.stats["false_late_rejections"],
             tuple(sorted(c.attempts.items())), tuple((rid, k.obj(c.latest[rid])) for rid in sorted(c.latest)),
             world.faults_used, world.cancels_used, tuple(sorted(world.floors_told.items())),
             tuple(sorted(world.polls.items())))

@@ -9,7 +9,7 @@ trace reads and how a replay finds it again.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from pd.abort_backoff import AbortBackoff
 from pd.check.bounds import CheckBounds
@@ -24,8 +24,14 @@ from pd.stress_config import PDStressConfig
 from pd.topology import PrefillTopology
 from pd.transfer_engine import EngineFaults, TransferEngine
 
-# optional actions: they are choices, not events the system owes (a terminal state may still allow them)
-FAULTS, CANCEL = ("drop", "duplicate", "reorder", "crash", "fail"), "cancel"
+# optional actions: they are choices, not events the system owes (a terminal state may still allow them).
+# crash: a prefill process dies and restarts; kill: it dies for good (its lease expires, decode fences it);
+# decode_restart: the decode worker starts a new life; misaddress: a prefill reply is also delivered naming
+# another peer (from its own link) or a non-owner (from that one's link); partition: a rank's control link
+# is cut until the (owed) heal. A stale registry needs no action: a lease expires some time after a crash.
+FAULTS = ("drop", "duplicate", "reorder", "crash", "fail", "kill", "decode_restart", "misaddress", "partition")
+CANCEL = "cancel"
+OWED = ("event", "deliver", "late", "heal")
 
 
 @dataclass
@@ -35,7 +41,7 @@ class World:
     channel: ChoiceChannel
     faults_used: int = 0
     cancels_used: int = 0
-    floors_told: dict[tuple[int, int], int] = field(default_factory=dict)  # (rank, incarnation) -> floor
+    floors_told: dict[tuple[int, int, int], int] = field(default_factory=dict)  # (rank, incarnation, life) -> floor
     polls: dict[int, int] = field(default_factory=dict)  # room -> decode poll timers fired
 
 
@@ -82,7 +88,7 @@ def build_world(bounds: CheckBounds) -> World:
                                  bounds.guards_off))
     channel = ChoiceChannel()
     cluster = PDCluster(cfg, channel=channel)
-    cluster.rng = cluster.fault_rng = cluster.decode.rng = ChoiceRandom()
+    cluster.rng = cluster.fault_rng = cluster.decode.rng = cluster.misaddress_rng = ChoiceRandom()
     for node in cluster.prefills:
         node.engine.rng = ChoiceRandom()
     for rid in range(r):
@@ -97,17 +103,29 @@ def enabled(w: World) -> list[tuple]:
     actions = [("event", e[1]) for e in w.cluster.loop.events() if not _poll_spent(w, e)]
     actions += [("deliver", pair, 0) for pair, q in sorted(w.channel.queues.items()) if q]
     actions += [("late", i) for i in range(len(w.channel.late))]
-    faults_left = w.faults_used < w.bounds.faults
-    if faults_left:
-        for pair, q in sorted(w.channel.queues.items()):
-            if q:
-                actions += [("drop", pair), ("duplicate", pair)]
-                actions += [("reorder", pair, i) for i in range(1, len(q))]
-        actions += [("crash", n.peer) for n in w.cluster.prefills if n.alive]
-        for rank, node in enumerate(w.cluster.prefills):
-            actions += [("fail", rank, b) for b in sorted(node.engine._batches) if node.engine.poll(b) == "pending"]
+    actions += [("heal", rank) for rank in sorted(w.cluster.partitioned)]
+    if w.faults_used < w.bounds.faults:
+        actions += [a for a in _faults(w) if a[0] in w.bounds.fault_kinds]
     if w.cancels_used < w.bounds.cancels:
         actions += [(CANCEL, rid) for rid in sorted(w.cluster.latest)]
+    return actions
+
+
+def _faults(w: World) -> list[tuple]:
+    c, actions, ranks = w.cluster, [], len(w.cluster.prefills)
+    for pair, q in sorted(w.channel.queues.items()):
+        if q:
+            actions += [("drop", pair), ("duplicate", pair)]
+            actions += [("reorder", pair, i) for i in range(1, len(q))]
+            if pair[1] == "decode":
+                sender = int(pair[0][len("prefill"):])
+                actions += [("misaddress", pair, peer) for peer in range(ranks + 1) if peer != sender]
+    alive = [n.peer for n in c.prefills if n.alive]
+    actions += [("crash", r) for r in alive] + [("kill", r) for r in alive]
+    for rank, node in enumerate(c.prefills):
+        actions += [("fail", rank, b) for b in sorted(node.engine._batches) if node.engine.poll(b) == "pending"]
+    actions.append(("decode_restart",))
+    actions += [("partition", r) for r in range(ranks) if r not in c.partitioned]
     return actions
 
 
@@ -119,7 +137,7 @@ def _poll_spent(w: World, event: tuple) -> bool:
 
 def owed(actions: list[tuple]) -> bool:
     """Does any action in ``actions`` have to happen eventually (an event or a delivery)?"""
-    return any(a[0] in ("event", "deliver", "late") for a in actions)
+    return any(a[0] in OWED for a in actions)
 
 
 def apply(w: World, action: tuple) -> None:
@@ -146,8 +164,20 @@ def apply(w: World, action: tuple) -> None:
         node = c.prefills[action[1]]
         node.crash()
         c.loop.after(0.0, node.restart)  # the restart is owed: a crashed rank comes back
+    elif kind == "kill":
+        c.prefills[action[1]].crash()  # no restart: its lease expires, decode fences it
     elif kind == "fail":
         c.prefills[action[1]].engine.fail(action[2])
+    elif kind == "decode_restart":
+        c.decode.restart()
+    elif kind == "misaddress":
+        pair, peer = action[1], action[2]
+        forged = replace(w.channel.queues[pair][0], peer=peer)
+        w.channel._deliver("decode", forged, pair[0] if peer < len(c.prefills) else f"prefill{peer}")
+    elif kind == "partition":
+        c.partitioned.add(action[1])
+    elif kind == "heal":
+        c.partitioned.discard(action[1])
     elif kind == CANCEL:
         w.cancels_used += 1
         c.decode.abort(c.latest[action[1]], "client")
@@ -164,8 +194,8 @@ def _note_floor(w: World, pair: tuple[str, str], msg: object) -> None:
     """Remember the highest floor decode told each prefill process (the window invariant's bound)."""
     if pair[1].startswith("prefill"):
         node = w.cluster.prefills[int(pair[1][len("prefill"):])]
-        if node.up:
-            key = (node.peer, node.incarnation)
+        if node.up and msg.decode_life >= node.decode_life:  # an older life's message is dropped
+            key = (node.peer, node.incarnation, msg.decode_life)
             w.floors_told[key] = max(w.floors_told.get(key, 0), msg.floor)
 
 
@@ -186,8 +216,20 @@ def label(w: World, action: tuple) -> str:
         return f"net: deliver the late re-sent duplicate {pair[0]}->{pair[1]} {message_text(msg)}"
     if kind == "crash":
         return f"fault: prefill{action[1]} crashes (incarnation {w.cluster.prefills[action[1]].incarnation})"
+    if kind == "kill":
+        return f"fault: prefill{action[1]} dies for good (incarnation {w.cluster.prefills[action[1]].incarnation})"
     if kind == "fail":
         return f"fault: engine{action[1]} reports batch {action[2]} failed (its writes still land)"
+    if kind == "decode_restart":
+        return f"fault: decode restarts (life {w.cluster.decode.life} -> {w.cluster.decode.life + 1})"
+    if kind == "misaddress":
+        pair = action[1]
+        return (f"fault: MISADDRESS {pair[0]}->{pair[1]} {message_text(w.channel.queues[pair][0])} "
+                f"also delivered naming prefill{action[2]}")
+    if kind == "partition":
+        return f"fault: prefill{action[1]}'s control link is cut"
+    if kind == "heal":
+        return f"net: prefill{action[1]}'s control link heals"
     if kind == CANCEL:
         return f"client: cancel rid {action[1]} (room {w.cluster.latest[action[1]].room})"
     raise AssertionError(f"unknown action {action!r}")
@@ -197,7 +239,8 @@ _EVENTS = {"submit": "router: submit", "_resolve": "decode: bootstrap lookup", "
            "_poll": "decode: poll (re-send TransferRequest)", "_send_aborts": "decode: abort re-send timer",
            "_finish": "decode: finish decoding", "abort": "decode: abort", "_computed": "forward pass done",
            "_post": "post write batch", "restart": "restart", "_write": "write lands", "fail": "batch fails",
-           "_quiesce": "empty batch quiesces"}
+           "_quiesce": "empty batch quiesces", "expire": "registry: lease expires", "_suspect": "decode: fence timer",
+           "_queue_timeout": "decode: queue timeout"}
 
 
 def _event_label(w: World, event: tuple) -> str:
@@ -228,14 +271,16 @@ def _arg_text(arg: object) -> str:
 
 
 def message_text(msg: object) -> str:
+    life = f", decode life {msg.decode_life}" if getattr(msg, "decode_life", 0) else ""
     if isinstance(msg, TransferRequest):
         return (f"TransferRequest(room {msg.room}, epoch {msg.epoch}, incarnation {msg.incarnation}, "
-                f"floor {msg.floor}, pages {list(msg.pages)})")
+                f"floor {msg.floor}, pages {list(msg.pages)}{life})")
     if isinstance(msg, Abort):
-        return f"Abort(room {msg.room}, epoch {msg.epoch}, floor {msg.floor})"
+        return f"Abort(room {msg.room}, epoch {msg.epoch}, floor {msg.floor}{life})"
     if isinstance(msg, AbortAck):
-        return f"AbortAck(room {msg.room}, from prefill{msg.peer} incarnation {msg.incarnation})"
+        return f"AbortAck(room {msg.room}, from prefill{msg.peer} incarnation {msg.incarnation}{life})"
     if isinstance(msg, (TransferStarted, TransferDone, TransferFailed)):
-        return f"{type(msg).__name__}(room {msg.room}, from prefill{msg.peer})"
+        inc = f" incarnation {msg.incarnation}" if msg.incarnation else ""
+        return f"{type(msg).__name__}(room {msg.room}, from prefill{msg.peer}{inc}{life})"
     return repr(msg)
 
