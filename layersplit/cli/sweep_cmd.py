@@ -45,6 +45,12 @@ def run(args: argparse.Namespace) -> int:
     del points  # written to --out; printed from there
     paths = {"jsonl": out / "points.jsonl", "table": out / "table.md", "plot": out / "throughput.png"}
     print(paths["table"].read_text())  # the table (model engine: + sensitivity and calibration)
+    if cfg.engine == "real":  # beside the CPU table: what the same serving loop means for GLM-5 on 8 x H200
+        sweep("glm5-h200", engine="model", out=out / "model")
+        paths["model_table"] = out / "model" / "table.md"
+        print("Beside it, **modelled** (not measured): GLM-5 on 8 x H200 with every peer, from the cost model "
+              "(`layersplit sweep --engine model`).\n")
+        print(paths["model_table"].read_text())
     if axis:
         from layersplit.serving.gain_map import run_map
 

@@ -39,18 +39,37 @@ def test_model_engine_gain_grows_with_length(tmp_path, capsys):
     assert "modelled" in (tmp_path / "out" / "table.md").read_text()
 
 
-@pytest.mark.timeout(600)  # three repeats of every point on 2 shared cores
+@pytest.mark.timeout(600)  # three paired repeats on 2 shared cores
 def test_real_engine_default_config_shape(tmp_path, capsys):
     points = run(tmp_path, capsys, small(tmp_path, "cpu", lengths=[40000], requests=6, sessions=3))
     assert {p["kind"] for p in points} == {"measured"} and len(points) == 2
     ls = [p for p in points if p["mode"] == "layersplit"][0]
     assert ls["bcast_bytes"] > 0 and ls["request_tokens_per_s"] > 0
     assert sum(ls["batch_sizes"]) == 6
-    for p in points:  # the median of 3 repeats, with their spread
+    for p in points:  # the median of 3 repeats, each paired with the other mode's on the same requests
         runs = sorted(p["seconds_runs"])
         assert p["repeats"] == 3 and len(runs) == 3 and p["seconds"] == pytest.approx(runs[1])
-        assert p["spread_pct"] == pytest.approx(100 * (runs[2] - runs[0]) / runs[1])
-    assert ls["gain_within_noise"] == (ls["spread_pct"] + points[0]["spread_pct"] >= abs(ls["gain_vs_redundant"]))
+    red = points[0]
+    ratios = [100 * (r / s - 1) for r, s in zip(red["seconds_runs"], ls["seconds_runs"])]  # same tokens
+    assert ls["paired_gain"]["ratios"] == pytest.approx(ratios)
+    assert ls["gain_vs_redundant"] == pytest.approx(sorted(ratios)[1])
+    assert ls["gain_within_noise"] == (min(ratios) <= 0 <= max(ratios))
+    table = (tmp_path / "out" / "table.md").read_text()
+    assert "**Counted** columns first" in table and "median [range]" in table
+    assert "kv-sharding" in (tmp_path / "out" / "model" / "table.md").read_text()  # the modelled table beside it
+
+
+def test_paired_order_and_gains():
+    """Modes alternate per repeat (A B, B A, A B); a gain is the median of per-repeat ratios."""
+    from layersplit.serving.paired import alternating, paired_gains
+
+    assert alternating(("redundant", "layersplit"), 3) == ["redundant", "layersplit", "layersplit", "redundant",
+                                                           "redundant", "layersplit"]
+    g = paired_gains({"redundant": [10.0, 20.0, 12.0], "layersplit": [5.0, 25.0, 8.0]},
+                     {"redundant": 100, "layersplit": 100}, "redundant")
+    assert g["layersplit"]["ratios"] == pytest.approx([100.0, -20.0, 50.0])
+    assert (g["layersplit"]["median"], g["layersplit"]["low"], g["layersplit"]["high"]) == pytest.approx((50, -20, 100))
+    assert g["redundant"]["ratios"] == [0.0, 0.0, 0.0]
 
 
 def test_config_errors(tmp_path):
