@@ -3,10 +3,12 @@
 For each request length and mode (:data:`layersplit.plan.capacity.MODES`; the measured engine runs the
 two the CP engine implements): build the workload, run the serving loop with that mode's tier
 capacities, time its batches with the chosen engine, and aggregate one point. Each point carries its
-gain over redundant CP and over upstream SGLang's layer split, and (model engine) a time breakdown:
-compute, recompute of misses, exposed reload, exposed broadcast. Measured points are the median of
-``repeats`` runs with their spread, and a gain within that spread is flagged. Outputs (``--out``):
-``points.jsonl`` (written as points finish), ``table.md`` and ``throughput.png``.
+gain over redundant CP, over upstream SGLang's layer split and over SGLang's page-level KV sharding,
+and (model engine) a time breakdown: compute, recompute of misses, exposed reload, exposed broadcast.
+Measured points are paired (:mod:`.paired`): per length both modes alternate per repeat on the same
+requests and a gain is the median of the per-repeat ratios, with their range. Outputs (``--out``):
+``points.jsonl`` (written as points finish), ``table.md`` (model engine: + the sensitivity per length
+and the calibration table) and ``throughput.png``.
 """
 
 from __future__ import annotations
