@@ -21,7 +21,8 @@ class CheckBounds:
     abort re-send bound before quarantine; polls: times decode's poll timer (re-send TransferRequest)
     may fire per room; channel_capacity: messages in flight per endpoint pair
     (executions beyond it are not explored). max_states / timeout_s stop the run early (``complete``
-    is then false). ``legacy`` and ``guards_off``: the UNSAFE protocol variants (see ``pd.guards``)."""
+    is then false). ``legacy`` and ``guards_off``: the UNSAFE protocol variants (see ``pd.guards``).
+    ``symmetry``: the symmetry reduction (off: the exhaustive cross-check)."""
 
     prefill_ranks: int = 2
     requests: int = 2
@@ -37,6 +38,7 @@ class CheckBounds:
     legacy: bool = False
     guards_off: tuple[str, ...] = ()
     fault_kinds: tuple[str, ...] = FAULT_KINDS
+    symmetry: bool = True  # merge states equal up to a renaming of prefill ranks and of request ids
 
     def __post_init__(self) -> None:
         for name, low in (("prefill_ranks", 1), ("requests", 1), ("faults", 0), ("pages", 1), ("retries", 0),

@@ -12,6 +12,7 @@ An invariant may read only hashed state: a revisit is pruned before it is checke
 
 from __future__ import annotations
 
+import itertools
 from functools import partial
 
 from pd.check.choice_channel import ChoiceChannel
@@ -62,17 +63,39 @@ def unclassified(world) -> list[str]:
 
 
 class _Canon:
-    """Renames fresh values and objects by first appearance."""
+    """Renames fresh values and objects by first appearance, and — for the symmetry reduction — prefill
+    ranks by ``ranks[r]`` and request ids by ``rids[i]`` (every place a rank or a rid occurs goes through
+    :meth:`rank` / :meth:`rid`; the checker's topology gives rank r exactly layer r)."""
 
-    def __init__(self, world) -> None:
+    def __init__(self, world, ranks: tuple[int, ...] | None = None, rids: tuple[int, ...] | None = None) -> None:
         self.names: dict[tuple, int] = {}
         self.world = world
+        n = len(world.cluster.prefills)
+        self.ranks = ranks or tuple(range(n))
+        self.order = sorted(range(n), key=self.ranks.__getitem__)  # old rank at each new position
+        self.rids = rids
         # past the re-send bound the count changes nothing but a (capped) delay, which orders nothing here:
         # without the cap a rank that never answers would make the state space infinite
         self.sends_bound = world.bounds.abort_sends
 
     def name(self, kind: str, raw) -> int | None:
         return None if raw is None else self.names.setdefault((kind, raw), len(self.names))
+
+    def rank(self, r: int) -> int:
+        return self.ranks[r] if 0 <= r < len(self.ranks) else r  # a non-owner peer id stays itself
+
+    def rid(self, rid: int) -> int:
+        return rid if self.rids is None or not 0 <= rid < len(self.rids) else self.rids[rid]
+
+    def per_rank(self, values) -> tuple:
+        """A per-rank sequence in the renamed ranks' order."""
+        return tuple(values[old] for old in self.order)
+
+    def ranks_of(self, ranks) -> tuple[int, ...]:
+        return tuple(sorted(self.rank(r) for r in ranks))
+
+    def pair(self, pair: tuple[str, str]) -> tuple[str, str]:
+        return tuple(f"prefill{self.rank(int(e[len('prefill'):]))}" if e.startswith("prefill") else e for e in pair)
 
     def tag(self, t: WriteTag | None):
         return None if t is None else (t.room, self.name("gen", t.generation), t.life)
@@ -83,23 +106,25 @@ class _Canon:
             return ("ref", self.names[key])
         self.names[key] = len(self.names)
         if isinstance(o, DecodeRequest):
-            return ("D", o.rid, o.room, o.n_pages, _STATE.get(o.state, o.state), tuple(o.pages), tuple(self.tag(t) for t in o.tags),
-                    o.epoch, o.incarnations, tuple(sorted(o.told)), tuple(sorted(o.done_peers)),
-                    tuple(sorted(o.open_ranks)), o.abort_reason, self.name("tok", o.abort_token),
-                    tuple(sorted(o.unacked)), min(o.sends, self.sends_bound), o.quarantined, o.resend_armed)
+            return ("D", self.rid(o.rid), o.room, o.n_pages, _STATE.get(o.state, o.state), tuple(o.pages),
+                    tuple(self.tag(t) for t in o.tags), o.epoch, self.per_rank(o.incarnations) if o.incarnations else (),
+                    self.ranks_of(o.told), self.ranks_of(o.done_peers), self.ranks_of(o.open_ranks), o.abort_reason,
+                    self.name("tok", o.abort_token), self.ranks_of(o.unacked), min(o.sends, self.sends_bound),
+                    o.quarantined, o.resend_armed)
         assert isinstance(o, PrefillRequest), f"no canonical form for {type(o).__name__}"
         return ("P", self.msg(o.msg), o.incarnation, tuple(o.sources), tuple(self.tag(t) for t in o.source_tags),
                 o.computing, o.lease, o.aborted, self.name("tok", o.token), o.failed, o.posted_all, o.done, o.orphaned)
 
     def msg(self, m):
         if isinstance(m, TransferRequest):
-            return ("TR", m.rid, m.room, m.epoch, m.incarnation, m.floor, m.pages,
+            return ("TR", self.rid(m.rid), m.room, m.epoch, m.incarnation, m.floor, m.pages,
                     tuple(self.name("gen", g) for g in m.generations), m.decode_life)
         if isinstance(m, Abort):
-            return ("A", m.rid, m.room, self.name("tok", m.token), m.epoch, m.floor, m.decode_life)
+            return ("A", self.rid(m.rid), m.room, self.name("tok", m.token), m.epoch, m.floor, m.decode_life)
         if isinstance(m, AbortAck):
-            return ("AA", m.rid, m.room, self.name("tok", m.token), m.peer, m.incarnation, m.decode_life)
-        return (type(m).__name__, m.rid, m.room, m.peer, m.incarnation, m.decode_life)
+            return ("AA", self.rid(m.rid), m.room, self.name("tok", m.token), self.rank(m.peer), m.incarnation,
+                    m.decode_life)
+        return (type(m).__name__, self.rid(m.rid), m.room, self.rank(m.peer), m.incarnation, m.decode_life)
 
     def value(self, v):
         if isinstance(v, (DecodeRequest, PrefillRequest)):
@@ -127,9 +152,9 @@ class _Canon:
         if target is c.decode:
             return "decode"
         if isinstance(target, PrefillNode):
-            return ("prefill", target.peer)
+            return ("prefill", self.rank(target.peer))
         if isinstance(target, TransferEngine):
-            return ("engine", next(i for i, n in enumerate(c.prefills) if n.engine is target))
+            return ("engine", self.rank(next(i for i, n in enumerate(c.prefills) if n.engine is target)))
         if isinstance(target, PrefillKV):
             return ("kv", self.name("kv", id(target)))
         if target is c:
@@ -137,8 +162,14 @@ class _Canon:
         return None if target is None or isinstance(target, type(len)) else type(target).__name__
 
 
-def _sort_key(event) -> str:
+def _sort_key(k: _Canon, event) -> str:
     fn, args = event[2], event[3]
+    name = getattr(fn, "__name__", "")
+    if name in _RANK_ARG or name == "submit":
+        args = (k.rank(args[0]) if name in _RANK_ARG else k.rid(args[0]),) + tuple(args[1:])
+    elif name == "_write":
+        args = (args[0], _dest(k, args[1])) + tuple(args[2:])
+
     def raw(a) -> str:
         if isinstance(a, DecodeRequest):
             return f"d{a.room}"
@@ -149,57 +180,85 @@ def _sort_key(event) -> str:
         if isinstance(a, SourceRead):
             return f"s{a.page}"
         return str(a)
-    owner = getattr(getattr(fn, "__self__", None), "peer", "")
-    return f"{getattr(fn, '__name__', '')}|{owner}|" + "|".join(raw(a) for a in args)
+    owner = k.owner(getattr(fn, "__self__", None))
+    return f"{name}|{owner}|" + "|".join(raw(a) for a in args)
 
 
-def fingerprint(world) -> int:
-    """A hash of ``world``'s canonical form (equal for states equal up to fresh names)."""
-    return hash(canonical(world))
+_RANK_ARG = ("_suspect", "expire")  # events whose first argument is a prefill rank
 
 
-def canonical(world) -> tuple:
-    k, c = _Canon(world), world.cluster
+def _dest(k: _Canon, dest) -> tuple:
+    page, layers = dest  # the checker's topology: rank r owns layer r
+    return (page, tuple(sorted(k.rank(layer) for layer in layers)))
+
+
+def symmetries(world) -> list[tuple[tuple[int, ...], tuple[int, ...] | None]]:
+    """Every (rank renaming, rid renaming) of the symmetry reduction: prefill ranks are interchangeable
+    (each owns one layer, the protocol treats them alike), so are request ids (all submitted at once)."""
+    ranks = list(itertools.permutations(range(len(world.cluster.prefills))))
+    rids = list(itertools.permutations(range(world.bounds.requests)))
+    return [(p, q) for p in ranks for q in rids]
+
+
+def fingerprint(world, symmetry: bool = False) -> int:
+    """A hash of ``world``'s canonical form (equal for states equal up to fresh names); with ``symmetry``,
+    the least over every renaming of ranks and request ids (equal for states equal up to those too)."""
+    if not symmetry:
+        return hash(canonical(world))
+    return min(hash(canonical(world, ranks, rids)) for ranks, rids in symmetries(world))
+
+
+def canonical(world, ranks: tuple[int, ...] | None = None, rids: tuple[int, ...] | None = None) -> tuple:
+    k, c = _Canon(world, ranks, rids), world.cluster
     d = c.decode
-    decode = (_pages(k, d.kv, d.kv.data, len(d.kv.overwrites)), tuple(k.obj(d.reqs[room]) for room in sorted(d.reqs)),
-              tuple(k.obj(r) for r in d.queue), d._epoch,
-              tuple((tuple(sorted(e for e in w._open if e not in w._closed)), w._next) for w in d.watermarks),
-              d.stats["checksum_mismatches"], d.life, tuple(d.fenced))  # the statistic an invariant reads
+    decode = (_pages(k, d.kv, d.kv.data, len(d.kv.overwrites), layers=True),
+              tuple(k.obj(d.reqs[room]) for room in sorted(d.reqs)), tuple(k.obj(r) for r in d.queue), d._epoch,
+              k.per_rank([(tuple(sorted(e for e in w._open if e not in w._closed)), w._next) for w in d.watermarks]),
+              d.stats["checksum_mismatches"], d.life, k.per_rank(d.fenced))  # the statistic an invariant reads
     prefills = tuple(
         (n.incarnation, n.alive, n.up, k.name("kv", id(n.kv)), _pages(k, n.kv, n.kv.content, len(n.kv.stale_reads)),
          tuple((room, k.obj(n.book.records[room])) for room in sorted(n.book.records)),
          tuple(sorted(n.book.tombstones.items())), n.book.floor, tuple(sorted(n.book._by_epoch)),
          tuple(k.obj(r) for r in n.queue), n.decode_life,
          tuple(k.obj(r) for r in sorted(n.orphans, key=lambda r: (r.msg.room, r.incarnation))))
-        for n in c.prefills)
+        for n in k.per_rank(c.prefills))
     engines = tuple(
         (tuple((k.name("batch", (rank, b)), e._status[b], rec.owner, rec.remaining, k.value(rec.on_status),
                 k.value(rec.on_quiesced)) for b, rec in sorted(e._batches.items())),
          tuple(sorted((o, v) for o, v in e._in_flight.items() if v)),
          tuple((k.value(owners), k.value(fn)) for owners, fn in e._drain_waiters),
          e.fenced_upto, e.stats["fenced_landed"])  # the statistic an invariant reads
-        for rank, e in enumerate(n.engine for n in c.prefills))
-    channel = (tuple((pair, tuple(k.msg(m) for m in q)) for pair, q in sorted(world.channel.queues.items()) if q),
-               tuple(sorted(((pair, k.msg(m)) for pair, m in world.channel.late), key=repr)))
-    events = tuple(_event(k, e) for e in sorted(c.loop.events(), key=_sort_key))
-    return (decode, prefills, engines, tuple(c.registry._serving), tuple(c.registry.revoked), channel, events,
-            c.rooms, tuple(sorted(c.partitioned)), c.stats["false_late_rejections"],
-            tuple(sorted(c.attempts.items())), tuple((rid, k.obj(c.latest[rid])) for rid in sorted(c.latest)),
-            world.faults_used, world.cancels_used, tuple(sorted(world.floors_told.items())),
+        for rank, e in k.per_rank(list(enumerate(n.engine for n in c.prefills))))
+    queues = sorted((k.pair(pair), q) for pair, q in world.channel.queues.items() if q)
+    channel = (tuple((pair, tuple(k.msg(m) for m in q)) for pair, q in queues),
+               tuple(sorted(((k.pair(pair), k.msg(m)) for pair, m in world.channel.late), key=repr)))
+    events = tuple(_event(k, e) for e in sorted(c.loop.events(), key=lambda e: _sort_key(k, e)))
+    return (decode, prefills, engines, k.per_rank(c.registry._serving), k.per_rank(c.registry.revoked), channel,
+            events, c.rooms, k.ranks_of(c.partitioned), c.stats["false_late_rejections"],
+            tuple(sorted((k.rid(rid), n) for rid, n in c.attempts.items())),
+            tuple(sorted((k.rid(rid), k.obj(c.latest[rid])) for rid in sorted(c.latest))),
+            world.faults_used, world.cancels_used,
+            tuple(sorted(((k.rank(r), inc, life), floor) for (r, inc, life), floor in world.floors_told.items())),
             tuple(sorted(world.polls.items())))
 
 
 def _event(k: _Canon, e) -> tuple:
     fn, args = e[2], e[3]
-    if getattr(fn, "__name__", "") in ("_write", "fail", "_quiesce"):  # engine events: batch ids are fresh names
-        rank = k.owner(fn.__self__)[1]
-        return (k.fn(fn), k.name("batch", (rank, args[0])), tuple(k.value(a) for a in args[1:]))
+    name = getattr(fn, "__name__", "")
+    if name in ("_write", "fail", "_quiesce"):  # engine events: batch ids are fresh names
+        rank = next(i for i, n in enumerate(k.world.cluster.prefills) if n.engine is fn.__self__)
+        rest = ((_dest(k, args[1]),) + tuple(k.value(a) for a in args[2:])) if name == "_write" else ()
+        return (k.fn(fn), k.name("batch", (rank, args[0])), rest)
+    if name in _RANK_ARG:
+        return (k.fn(fn), (k.rank(args[0]),) + tuple(k.value(a) for a in args[1:]))
+    if name == "submit":
+        return (k.fn(fn), (k.rid(args[0]),))
     return (k.fn(fn), tuple(k.value(a) for a in args))
 
 
-def _pages(k: _Canon, pages, content, extra: int = 0) -> tuple:
-    return (tuple(k.tag(t) for t in pages.owner), tuple(pages.free_pages), tuple(map(_row, content)),
-            len(pages.bad_frees), extra)
+def _pages(k: _Canon, pages, content, extra: int = 0, layers: bool = False) -> tuple:
+    rows = tuple(k.per_rank(r) if layers else _row(r) for r in content)  # decode rows: one layer per rank
+    return (tuple(k.tag(t) for t in pages.owner), tuple(pages.free_pages), rows, len(pages.bad_frees), extra)
 
 
 def _row(r):
