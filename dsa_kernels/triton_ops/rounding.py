@@ -8,14 +8,16 @@ exponent's low bit is set (124 -> 64 instead of 128: the "up to 2x" of DESIGN.md
 So the kernels round themselves, with integer and exact fp32 operations only: bf16 is built from
 the bits (``to_bf16``); an e4m3 value is rounded onto the e4m3 grid (``round_to_e4m3``), and the
 cast then receives a representable value, which every converter (interpreter or hardware) maps
-exactly (all 2^16 bf16 values, every e4m3 tie and subnormal: ``tests/dsa_kernels/test_cast_bytes.py``). On a GPU this is the same value ``cvt.rn`` gives, so the
-bytes there do not change; under the interpreter they now equal torch's.
+exactly (all 2^16 bf16 values, every e4m3 value, tie and subnormal:
+``tests/dsa_kernels/test_cast_bytes.py``). On a GPU it is the value ``cvt.rn`` gives (within
++-448, where ``satfinite`` does not act), so the bytes there should not change; the same tests
+check that on CUDA.
 """
 
 from __future__ import annotations
 
 import triton
-import triton.language as tl  # noqa: F401  (triton.jit below)
+import triton.language as tl
 
 
 @triton.jit
