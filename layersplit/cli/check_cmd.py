@@ -18,6 +18,7 @@ from layersplit.cli import options
 
 
 def add_parser(sub: argparse._SubParsersAction, int_at_least) -> None:
+    from pd.check.bounds import FAULT_KINDS
     from pd.guards import GUARDS
 
     p = sub.add_parser("check", help="exhaustive protocol checks at small bounds")
@@ -42,6 +43,10 @@ def add_parser(sub: argparse._SubParsersAction, int_at_least) -> None:
                    help="UNSAFE: check the pre-hardening protocol (free at abort): expect a counterexample")
     c.add_argument("--guard-off", action="append", default=[], choices=sorted(GUARDS), metavar="GUARD",
                    help=f"UNSAFE: switch one hardening guard off (repeatable): {', '.join(GUARDS)}")
+    c.add_argument("--fault-kinds", default=None, metavar="K1,K2",
+                   help="spend the fault budget only on these kinds (default: all): " + ", ".join(FAULT_KINDS))
+    c.add_argument("--no-symmetry", action="store_true",
+                   help="explore without the symmetry reduction (ranks x request ids): the exhaustive cross-check")
     c.add_argument("--save", default=None, metavar="FILE", help="write the counterexample (if any) as JSON")
     c.add_argument("--replay", type=options.readable_file, default=None, metavar="FILE",
                    help="replay a saved counterexample step by step instead of exploring (its bounds are used)")
@@ -59,7 +64,8 @@ def run_pd(args: argparse.Namespace) -> int:
     bounds = CheckBounds(prefill_ranks=args.prefill_ranks, requests=args.requests, faults=args.faults,
                          pages=args.pages, retries=args.retries, cancels=args.cancels, abort_sends=args.abort_sends,
                          polls=args.polls, channel_capacity=args.channel_capacity, max_states=args.max_states,
-                         timeout_s=args.timeout, legacy=args.legacy_immediate_release, guards_off=tuple(args.guard_off))
+                         timeout_s=args.timeout, legacy=args.legacy_immediate_release, guards_off=tuple(args.guard_off),
+                         symmetry=not args.no_symmetry, **_kinds(args.fault_kinds))
     result = run_check(bounds)
     if args.save and result["counterexample"]:
         save_counterexample(args.save, result)
@@ -67,7 +73,7 @@ def run_pd(args: argparse.Namespace) -> int:
         print(json.dumps(result))
     else:
         for key in ("states", "depth", "transitions", "terminal_states", "pruned_by_channel_capacity", "seconds",
-                    "complete", "stopped", "violations"):
+                    "states_per_s", "reductions", "complete", "stopped", "violations"):
             print(f"{key:<28} {result[key]}")
         if result["counterexample"]:
             print("shortest counterexample:\n" + format_trace(result["counterexample"]))
@@ -75,6 +81,12 @@ def run_pd(args: argparse.Namespace) -> int:
     if unsafe:
         return 0 if result["violations"] else 3
     return 1 if result["violations"] else 0
+
+
+def _kinds(text: str | None) -> dict:
+    if text is None:
+        return {}
+    return {"fault_kinds": tuple(k.strip() for k in text.split(",") if k.strip())}  # CheckBounds names a bad one
 
 
 def _replay(args, load_counterexample, replay, format_trace) -> int:

@@ -36,6 +36,17 @@ TEETH = {
     "prune-below-floor": dict(prefill_ranks=1, requests=2, faults=0, cancels=0, retries=0, polls=0),
     "floor-rejects-late": dict(prefill_ranks=1, requests=2, faults=1, cancels=0, retries=0, polls=0, abort_sends=1),
     "incarnation-address": dict(prefill_ranks=1, requests=1, faults=2, cancels=0, retries=0, polls=0),
+    # issue 25: each with the one fault kind its race needs
+    "quarantine-heals": dict(prefill_ranks=1, requests=1, faults=1, cancels=0, retries=0, polls=0, abort_sends=1,
+                             fault_kinds=("drop",)),
+    "fence-refuses-writes": dict(prefill_ranks=1, requests=1, faults=1, cancels=0, retries=0, polls=0,
+                                 fault_kinds=("kill",)),
+    "decode-life-fence": dict(prefill_ranks=1, requests=1, faults=1, cancels=0, retries=0, polls=0,
+                              fault_kinds=("decode_restart",)),
+    "floor-per-decode-life": dict(prefill_ranks=1, requests=2, faults=1, cancels=0, retries=1, polls=0,
+                                  fault_kinds=("decode_restart",)),
+    "owners-only": dict(requests=1, faults=1, cancels=0, retries=0, polls=0, fault_kinds=("misaddress",)),
+    "reply-from-its-peer": dict(requests=1, faults=1, cancels=0, retries=0, polls=0, fault_kinds=("misaddress",)),
 }
 
 
@@ -74,6 +85,18 @@ def test_recorded_counterexample_replays(name):
     assert [v.split(":")[0] for v in unsafe["violation"]] == [v.split(":")[0] for v in violation]
     safe = replay(replace(bounds, legacy=False, guards_off=()), trace)  # the same schedule, every guard on
     assert safe["violation"] == [], safe
+
+
+def test_symmetry_reduction_loses_no_state_class():
+    """The exhaustive run (no reduction) and the reduced one reach the same classes of states (states up
+    to a renaming of ranks and request ids), the reduced one in fewer states; same verdicts."""
+    bounds = CheckBounds(prefill_ranks=2, requests=1, faults=0, retries=0, cancels=0, polls=0, channel_capacity=1)
+    full, reduced = set(), set()
+    exhaustive = run_check(replace(bounds, symmetry=False), full)
+    symmetric = run_check(bounds, reduced)
+    assert exhaustive["complete"] and symmetric["complete"] and exhaustive["violations"] == symmetric["violations"] == []
+    assert full == reduced and symmetric["states"] == len(reduced) < exhaustive["states"]
+    assert symmetric["reductions"] and not exhaustive["reductions"]
 
 
 def test_every_guard_has_teeth_or_is_a_detector():
