@@ -92,16 +92,17 @@ class CostModel:
         self._memo = _MEMOS.setdefault((model, hw, cp, mb, eff, self.pool_rows), {})
 
     # host tier -------------------------------------------------------------------------------------
-    def _rows_of(self, layer: int, reload_rows: int, striped_rows: int) -> int:
-        return striped_rows if layer in self.striped else reload_rows
+    def _layer_rows(self, reload_rows: int, striped_rows: int) -> list[int]:
+        """Rows each layer reloads on a rank that holds it (striped layers: the rank's stripe)."""
+        return [striped_rows if layer in self.striped else reload_rows for layer in range(self.m.num_layers)]
 
     def _loads(self, reload_rows: int, striped_rows: int = 0) -> dict[tuple[int, int], float]:
         """When each rank's load stream finishes each held layer (from t = 0)."""
-        loads = {}
+        loads, rows = {}, self._layer_rows(reload_rows, striped_rows)
         for r, held in enumerate(self.mb.held_layers):
             t = 0.0
             for layer in held:
-                t += self._rows_of(layer, reload_rows, striped_rows) * self.per_layer[layer] / self.reload_bw
+                t += rows[layer] * self.per_layer[layer] / self.reload_bw
                 loads[(r, layer)] = t
         return loads
 
@@ -110,9 +111,9 @@ class CostModel:
         of its total, maximised over ranks and layers: 0 when every rank reloads a share of every layer
         (redundant, KV sharding), a layer's rows or less with round-robin ownership, ~``L/N - 1`` layers
         with contiguous ownership (rank 0 must reload its whole range before the forward passes it)."""
-        worst, layers = 0.0, self.m.num_layers
+        worst, layers, rows = 0.0, self.m.num_layers, self._layer_rows(reload_rows, striped_rows)
         for held in self.mb.held_layers:
-            sizes = [self.per_layer[layer] * self._rows_of(layer, reload_rows, striped_rows) for layer in held]
+            sizes = [self.per_layer[layer] * rows[layer] for layer in held]
             total, done = sum(sizes), 0
             for layer, size in zip(held, sizes):
                 done += size
@@ -143,25 +144,27 @@ class CostModel:
             owner = self.owner.get(layer, r)
             loaded = loads.get((owner, layer), 0.0)
             if owner == r or not rows:  # own rows: wait for this rank's load only
-                ready = loaded
-                if self.indexer[layer]:
-                    reload += max(0.0, ready - t)
-                    t = max(t, ready) + ts.indexer
-                reload += max(0.0, ready - t)
-                t = max(t, ready) + ts.attention
+                if loaded > t:
+                    reload, t = reload + loaded - t, loaded
+                t += ts.indexer  # (0 on layers without one)
+                t += ts.attention
             else:
                 index_s = rows * (self.per_layer[layer] - self.kv_bytes) / nv
                 kv_s = rows * self.kv_bytes / nv
                 if self.indexer[layer]:
                     gate = t if pool else issue
-                    idx_ready = max(gate, loaded) + index_s
-                    x, y = _split_wait(t, idx_ready, loaded, gate)
-                    reload, bcast, t = reload + x, bcast + y, max(t, idx_ready) + ts.indexer
-                    kv_ready = max(issue, loaded) + kv_s if pool else idx_ready + kv_s
+                    idx_ready = (gate if gate > loaded else loaded) + index_s
+                    if idx_ready > t:  # _split_wait, inlined (the hot loop of the sweep)
+                        x = min(idx_ready - t, max(0.0, loaded - (t if t > gate else gate)))
+                        reload, bcast, t = reload + x, bcast + idx_ready - t - x, idx_ready
+                    t += ts.indexer
+                    kv_ready = (issue if issue > loaded else loaded) + kv_s if pool else idx_ready + kv_s
                 else:
-                    kv_ready = max(issue, loaded) + kv_s
-                x, y = _split_wait(t, kv_ready, loaded, issue)
-                reload, bcast, t = reload + x, bcast + y, max(t, kv_ready) + ts.attention
+                    kv_ready = (issue if issue > loaded else loaded) + kv_s
+                if kv_ready > t:
+                    x = min(kv_ready - t, max(0.0, loaded - (t if t > issue else issue)))
+                    reload, bcast, t = reload + x, bcast + kv_ready - t - x, kv_ready
+                t += ts.attention
             issue = t  # layer l+1's broadcast is issued before this layer's MLP
             t += ts.mlp
         return t, bcast, reload
@@ -217,8 +220,8 @@ class CostModel:
             ranks = range(cp) if self.owner else range(1)  # replicated layouts: every rank alike
             end, comm, reload_s = max((self._rank(r, layer_s, loads, rows, gather_rows) for r in ranks),
                                       key=lambda x: x[0])
-        reload = max(sum(self.per_layer[layer] * self._rows_of(layer, reload_rows, striped_rows) for layer in held)
-                     for held in mb.held_layers)
+        layer_rows = self._layer_rows(reload_rows, striped_rows)
+        reload = max(sum(self.per_layer[layer] * layer_rows[layer] for layer in held) for held in mb.held_layers)
         received = rows * (cp - 1) // cp if mb.broadcast == "gather" else rows
         received_bytes = sum(self.per_layer[layer] * (gather_rows * (cp - 1) // cp if layer in self.striped else received)
                              for layer in range(self.m.num_layers))
