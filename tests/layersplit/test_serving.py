@@ -73,15 +73,16 @@ def test_reload_bytes_per_rank_follow_held_layers(mode):
 
 @pytest.mark.timeout(300)
 def test_real_and_model_agree_on_counted_values():
-    """Same workload, same batches: bytes reloaded per rank and bytes broadcast agree exactly."""
+    """Same workload, same batches: bytes reloaded per rank and bytes broadcast agree exactly, with
+    upstream's contiguous ownership and with round-robin (the engine runs both)."""
     tiny = load_model("tiny")
     reqs = [Req(s, p, n) for s, p, n in [(0, 300, 30), (1, 250, 25), (0, 300, 30), (2, 200, 20), (1, 250, 25)]]
-    for mode in ("redundant", "layersplit"):
-        mb = mode_bytes(tiny, 2, "bf16", mode, 2048, 4)
+    for mode, ownership in (("redundant", "contiguous"), ("layersplit", "contiguous"), ("layersplit", "round-robin")):
+        mb = mode_bytes(tiny, 2, "bf16", mode, 2048, 4, ownership)
         loop = ServingLoop(Capacity(700, 5000), max_batch_tokens=600, max_batch_context=2048, max_batch_requests=4)
         batches = loop.run(reqs)
         assert any(s.tier == "L2" for b in batches for s in b.served)
-        real = RealEngine(tiny, 2, "bf16", seed=0).run(batches, mode)[0]  # one repeat
+        real = RealEngine(tiny, 2, "bf16", seed=0, ownership=ownership).run(batches, mode)[0]  # one repeat
         model = ModelEngine({mode: CostModel(tiny, load_hardware("cpu"), 2, "bf16", mb)}).run(batches, mode)[0]
         for r, m in zip(real, model):
             assert (r.reload_bytes_per_rank, r.bcast_bytes) == (m.reload_bytes_per_rank, m.bcast_bytes)
