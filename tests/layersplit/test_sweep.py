@@ -79,6 +79,12 @@ def test_config_errors(tmp_path):
         load_sweep(small(tmp_path, "cpu", lengths=[]))
     with pytest.raises(ConfigError, match="sweep 'nope': expected one of"):
         load_sweep("nope")
+    # the CP engine has no page striping: that ownership is the model's only
+    with pytest.raises(ConfigError, match=r"field 'ownership': expected one of \('contiguous', 'round-robin'\)"):
+        load_sweep(small(tmp_path, "cpu", ownership="round-robin-striped"))
+    assert load_sweep(small(tmp_path, "glm5-h200", ownership="round-robin-striped")).ownership == "round-robin-striped"
+    with pytest.raises(ConfigError, match=r"field 'context_len': expected >= the longest length \(120000\)"):
+        load_sweep(small(tmp_path, "glm5-h200", context_len=65536))
 
 
 def test_model_sweep_every_peer_breakdown_and_labels(tmp_path, capsys):
