@@ -38,8 +38,8 @@ from layersplit.sglang_plugin import compat, register, spec_monitor, spec_step, 
 from layersplit.sglang_plugin.monitor import MetaInfoMonitor  # noqa: E402
 from layersplit.sglang_plugin.spec_drive import (  # noqa: E402
     VerifyDriver, completion_time_meta, make_req, run_request, spec_published)
-from pd.monitor_config import load_monitor_config  # noqa: E402
-from pd.spec_eval import make_traces  # noqa: E402
+from pd.spec.monitor_config import load_monitor_config  # noqa: E402
+from pd.spec.evaluate import make_traces  # noqa: E402
 
 DRAFT = 4
 

@@ -1,1 +1,2 @@
-"""Prefill<->decode integrity: abort safe-release protocol, transfer-engine model, spec-decoding anomaly monitor."""
+"""Prefill<->decode integrity, one room each: ``pd.abort`` (the abort safe-release protocol, its stress
+and its model checker) and ``pd.spec`` (the speculative-decoding anomaly monitor)."""

@@ -1,4 +1,4 @@
-"""``layersplit check pd``: exhaustive model checking of the PD abort protocol at small bounds (``pd.check``):
+"""``layersplit check pd``: exhaustive model checking of the PD abort protocol at small bounds (``pd.abort.check``):
 every interleaving of events, message deliveries, faults and cancels, over the protocol code the stress runs.
 
 Exit status: 0 no violation (and the bound explored completely, or stopped by --max-states/--timeout — the
@@ -18,8 +18,8 @@ from layersplit.cli import options
 
 
 def add_parser(sub: argparse._SubParsersAction, int_at_least) -> None:
-    from pd.check.bounds import FAULT_KINDS
-    from pd.guards import GUARDS
+    from pd.abort.check.bounds import FAULT_KINDS
+    from pd.abort.guards import GUARDS
 
     p = sub.add_parser("check", help="exhaustive protocol checks at small bounds")
     which = p.add_subparsers(dest="target", required=True)
@@ -55,7 +55,7 @@ def add_parser(sub: argparse._SubParsersAction, int_at_least) -> None:
 
 
 def run_pd(args: argparse.Namespace) -> int:
-    from pd.check import CheckBounds, format_trace, load_counterexample, replay, run_check, save_counterexample
+    from pd.abort.check import CheckBounds, format_trace, load_counterexample, replay, run_check, save_counterexample
 
     if args.replay:
         return _replay(args, load_counterexample, replay, format_trace)

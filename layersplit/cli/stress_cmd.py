@@ -62,7 +62,7 @@ def add_parser(sub: argparse._SubParsersAction, int_at_least) -> None:
     d.add_argument("--misaddress", type=options.number_in(0, 1, high_open=True), default=0.0,
                    help="probability a prefill reply is also delivered naming another peer or a non-owner")
     d.add_argument("--guard-off", action="append", default=[], metavar="GUARD",
-                   help="UNSAFE: switch a hardening guard off (pd.guards; repeatable): expect the failure it closes")
+                   help="UNSAFE: switch a hardening guard off (pd.abort.guards; repeatable): expect the failure it closes")
     d.add_argument("--legacy-immediate-release", action="store_true",
                    help="UNSAFE: free an aborted request's pages at once (the old race)")
     d.add_argument("--json", action="store_true", help="print the report as one JSON object")
@@ -94,11 +94,11 @@ def _pd_kill(text: str) -> tuple[int, float]:
 
 
 def _pd_config(args: argparse.Namespace):
-    from pd.abort_stress import PDStressConfig
-    from pd.channel import ChannelFaults
-    from pd.decode_side import DecodeConfig
-    from pd.guards import check_names, decode_config_off
-    from pd.topology import PrefillTopology
+    from pd.abort.stress import PDStressConfig
+    from pd.abort.channel import ChannelFaults
+    from pd.abort.decode_side import DecodeConfig
+    from pd.abort.guards import check_names, decode_config_off
+    from pd.abort.topology import PrefillTopology
 
     from layersplit.engine.ownership import plan_ownership
 
@@ -118,8 +118,8 @@ def _pd_config(args: argparse.Namespace):
 
 
 def run_pd(args: argparse.Namespace) -> int:
-    from pd.abort_stress import failures, run_pd_stress
-    from pd.guards import guards_off
+    from pd.abort.stress import failures, run_pd_stress
+    from pd.abort.guards import guards_off
 
     cfg = _pd_config(args)
     with guards_off(args.guard_off):

@@ -5,7 +5,7 @@ load balancer retries. By then the whole answer has been generated (and streamed
 
 SGLang's ``TokenizerManager._calculate_spec_decoding_metrics(meta_info, recv_obj, i)`` fills
 ``meta_info`` with ``spec_accept_length`` (completion_tokens / spec_verify_ct) and
-``spec_accept_rate`` when a request finishes. An AFTER hook on it runs :func:`pd.spec_monitor.judge`
+``spec_accept_rate`` when a request finishes. An AFTER hook on it runs :func:`pd.spec.monitor.judge`
 on those numbers (cumulative rules; SGLang exposes no per-step data here), records the verdict in
 ``meta_info["layersplit_spec_verdict"]``, counts it, and on ``garbled`` / ``repetition`` replaces the
 finish reason with an abort (HTTP 503) so a router retries the request on another instance.
@@ -13,10 +13,10 @@ finish reason with an abort (HTTP 503) so a router retries the request on anothe
 
 from __future__ import annotations
 
-from pd.monitor_config import MonitorConfig, load_monitor_config
-from pd.retry import MonitorCounters
-from pd.spec_metrics import snapshot_from_meta
-from pd.spec_monitor import judge
+from pd.spec.monitor_config import MonitorConfig, load_monitor_config
+from pd.spec.retry import MonitorCounters
+from pd.spec.metrics import snapshot_from_meta
+from pd.spec.monitor import judge
 
 RETRYABLE_STATUS = 503
 

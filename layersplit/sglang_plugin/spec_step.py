@@ -5,7 +5,7 @@ SGLang 0.5.23 settles each verify step per request in the batch result processor
 ``Req.spec_num_correct_drafts`` and then calls ``Req.update_spec_correct_drafts_histogram(num_correct_drafts)``
 — once per request per step, with that step's accepted drafts already on the host (``accept_lens.tolist()``).
 :class:`SpecStepMonitor` is an AFTER hook on that method (``compat.spec_step_target()``). It feeds the
-step into a :class:`pd.spec_monitor.StepJudge` (the rules of ``configs/monitor.yaml``, cumulative and window,
+step into a :class:`pd.spec.monitor.StepJudge` (the rules of ``configs/monitor.yaml``, cumulative and window,
 as integer comparisons; O(1) per request per step, state kept on the ``Req`` itself, no tensor touched, so no
 host synchronization beyond SGLang's own). On an anomalous verdict it sets ``req.to_finish`` to
 :class:`.spec_abort.SpecMonitorAbort` — SGLang's own mid-decode abort path (``FINISH_ABORT`` with
@@ -30,9 +30,9 @@ from collections import Counter
 from json.encoder import encode_basestring_ascii as _json_str
 from pathlib import Path
 
-from pd.monitor_config import MonitorConfig, load_monitor_config
-from pd.spec_monitor import VERDICTS, StepJudge, Verdict
-from pd.spec_metrics import StepState
+from pd.spec.monitor_config import MonitorConfig, load_monitor_config
+from pd.spec.monitor import VERDICTS, StepJudge, Verdict
+from pd.spec.metrics import StepState
 
 log = logging.getLogger(__name__)
 
@@ -212,7 +212,7 @@ class SpecStepMonitor:
                         num_correct_drafts, self.rules.max_accepted, self.rules.draft_tokens)
 
     def _export(self, rid, state: StepState, accepted: int, verdict: Verdict | None) -> None:
-        """One JSONL line (pd/replay.py's per-step form), formatted by hand: json.dumps per step costs
+        """One JSONL line (pd/spec/replay.py's per-step form), formatted by hand: json.dumps per step costs
         several times the judging itself."""
         tail = f', "verdict": "{verdict.kind}"}}\n' if verdict is not None else "}\n"
         self._trace.write(f'{{"rid": {_json_str(str(rid))}, "step": {state.verify_steps}, '

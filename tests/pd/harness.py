@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import random
 
-from pd.bootstrap import BootstrapRegistry
-from pd.channel import ChannelFaults, ControlChannel
-from pd.decode_side import DecodeConfig, DecodeNode
-from pd.prefill_side import PrefillConfig, PrefillNode
-from pd.sim import EventLoop
-from pd.topology import PrefillTopology
-from pd.transfer_engine import EngineFaults, TransferEngine
+from pd.abort.bootstrap import BootstrapRegistry
+from pd.abort.channel import ChannelFaults, ControlChannel
+from pd.abort.decode_side import DecodeConfig, DecodeNode
+from pd.abort.prefill_side import PrefillConfig, PrefillNode
+from pd.abort.sim import EventLoop
+from pd.abort.topology import PrefillTopology
+from pd.abort.transfer_engine import EngineFaults, TransferEngine
 
 FIXED_WRITE = EngineFaults(min_write_s=0.01, max_write_s=0.01)
 

@@ -11,12 +11,12 @@ import random
 
 import pytest
 
-from pd.abort_backoff import AbortBackoff
-from pd.abort_stress import PDStressConfig, failures, run_pd_stress
-from pd.channel import ChannelFaults
-from pd.decode_side import DecodeConfig
-from pd.messages import Abort
-from pd.transfer_engine import EngineFaults
+from pd.abort.backoff import AbortBackoff
+from pd.abort.stress import PDStressConfig, failures, run_pd_stress
+from pd.abort.channel import ChannelFaults
+from pd.abort.decode_side import DecodeConfig
+from pd.abort.messages import Abort
+from pd.abort.transfer_engine import EngineFaults
 from tests.pd.harness import Harness
 
 BACKOFF = AbortBackoff(first_s=0.05, multiplier=2.0, max_s=0.4, jitter=0.5, max_sends=6)
@@ -44,7 +44,7 @@ def dead_after_announce(backoff: AbortBackoff, **decode) -> Harness:
 
 def test_dead_peer_quarantines_once_pauses_when_its_lease_expires_and_the_fence_releases(caplog):
     h = dead_after_announce(BACKOFF, fence_after_s=5.0)
-    with caplog.at_level(logging.WARNING, logger="pd.decode_side"):
+    with caplog.at_level(logging.WARNING, logger="pd.abort.decode_side"):
         h.loop.run()  # returns: the fence released the pages, nothing is left to do
     times = [t for t, _, m in h.to_prefill if isinstance(m, Abort)]
     gaps = [b - a for a, b in zip(times, times[1:])]
@@ -129,7 +129,7 @@ def test_a_dead_rank_is_fenced_and_released(fence):
 def test_unfenced_release_lets_a_dead_writer_overwrite():
     """The fence guard off (the engine no longer refuses a fenced process's writes): releasing after
     the fence lets a write still in flight land on reused pages."""
-    from pd.guards import guards_off
+    from pd.abort.guards import guards_off
 
     engine = EngineFaults(slow_write=0.3, slow_write_s=30.0)
     cfg = PDStressConfig(requests=400, seed=2, kill=((0, 2.0),), restart_mean_s=None, engine=engine,

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import pytest
 
-from pd.abort_backoff import AbortBackoff
-from pd.decode_side import FAILED, SUCCESS, DecodeConfig, DecodeNode
-from pd.messages import Abort, TransferRequest
-from pd.topology import PrefillTopology
-from pd.transfer_engine import EngineFaults
+from pd.abort.backoff import AbortBackoff
+from pd.abort.decode_side import FAILED, SUCCESS, DecodeConfig, DecodeNode
+from pd.abort.messages import Abort, TransferRequest
+from pd.abort.topology import PrefillTopology
+from pd.abort.transfer_engine import EngineFaults
 from tests.pd.harness import Harness
 
 SLOW_WRITES = EngineFaults(min_write_s=0.5, max_write_s=0.5)

@@ -7,14 +7,14 @@ import random
 
 import pytest
 
-from pd.abort_stress import PDStressConfig, failures, run_pd_stress
-from pd.channel import ChannelFaults, ControlChannel
-from pd.decode_side import FAILED, DecodeConfig
-from pd.messages import AbortAck
-from pd.prefill_side import PrefillConfig
-from pd.sim import EventLoop
-from pd.topology import PrefillTopology
-from pd.transfer_engine import EngineFaults, WriteTag
+from pd.abort.stress import PDStressConfig, failures, run_pd_stress
+from pd.abort.channel import ChannelFaults, ControlChannel
+from pd.abort.decode_side import FAILED, DecodeConfig
+from pd.abort.messages import AbortAck
+from pd.abort.prefill_side import PrefillConfig
+from pd.abort.sim import EventLoop
+from pd.abort.topology import PrefillTopology
+from pd.abort.transfer_engine import EngineFaults, WriteTag
 from tests.pd.harness import Harness
 
 FAULTS = {

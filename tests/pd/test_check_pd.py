@@ -1,4 +1,4 @@
-"""The exhaustive checker (pd.check): the CI bound explores every interleaving with no violation; with
+"""The exhaustive checker (pd.abort.check): the CI bound explores every interleaving with no violation; with
 the legacy immediate release and with each hardening guard off it finds a counterexample (breadth-first:
 a shortest one); the saved counterexamples replay as regression tests — unsafe they break the protocol
 again, safe the same schedule is harmless."""
@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from pd.check import CheckBounds, format_trace, load_counterexample, replay, run_check, save_counterexample
-from pd.check.explorer import _quiet
-from pd.check.state import fingerprint, unclassified
-from pd.check.world import apply, build_world, enabled, label
-from pd.guards import GUARDS, guards_off
+from pd.abort.check import CheckBounds, format_trace, load_counterexample, replay, run_check, save_counterexample
+from pd.abort.check.explorer import _quiet
+from pd.abort.check.state import fingerprint, unclassified
+from pd.abort.check.world import apply, build_world, enabled, label
+from pd.abort.guards import GUARDS, guards_off
 
 DATA = Path(__file__).parent / "data" / "check"
 
@@ -106,7 +106,7 @@ def test_every_guard_has_teeth_or_is_a_detector():
 
 
 def test_guards_off_restores_the_protocol():
-    from pd.room_book import RoomBook
+    from pd.abort.room_book import RoomBook
 
     original = RoomBook.__dict__["below_floor"]
     with guards_off(["floor-rejects-late"]):

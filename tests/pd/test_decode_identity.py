@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 
-from pd.decode_side import FAILED, SUCCESS
-from pd.guards import guards_off
-from pd.messages import TransferDone, TransferRequest
-from pd.transfer_engine import EngineFaults
+from pd.abort.decode_side import FAILED, SUCCESS
+from pd.abort.guards import guards_off
+from pd.abort.messages import TransferDone, TransferRequest
+from pd.abort.transfer_engine import EngineFaults
 from tests.pd.harness import Harness
 
 SLOW_WRITES = EngineFaults(min_write_s=0.5, max_write_s=0.5)

@@ -10,12 +10,12 @@ import json
 import pytest
 
 from layersplit.engine.ownership import plan_ownership
-from pd.abort_stress import PDStressConfig, failures, run_pd_stress
-from pd.channel import ChannelFaults
-from pd.decode_side import FAILED, SUCCESS, DecodeConfig, DecodeNode
-from pd.messages import AbortAck
-from pd.topology import PrefillTopology
-from pd.transfer_engine import EngineFaults
+from pd.abort.stress import PDStressConfig, failures, run_pd_stress
+from pd.abort.channel import ChannelFaults
+from pd.abort.decode_side import FAILED, SUCCESS, DecodeConfig, DecodeNode
+from pd.abort.messages import AbortAck
+from pd.abort.topology import PrefillTopology
+from pd.abort.transfer_engine import EngineFaults
 from tests.pd.harness import Harness
 
 

@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import pytest
 
-from pd.decode_side import SUCCESS, WAITING, DecodeConfig
-from pd.guards import guards_off
-from pd.messages import AbortAck, TransferDone
-from pd.topology import PrefillTopology
-from pd.transfer_engine import EngineFaults
+from pd.abort.decode_side import SUCCESS, WAITING, DecodeConfig
+from pd.abort.guards import guards_off
+from pd.abort.messages import AbortAck, TransferDone
+from pd.abort.topology import PrefillTopology
+from pd.abort.transfer_engine import EngineFaults
 from tests.pd.harness import FIXED_WRITE, Harness
 
 TWO = PrefillTopology(((0,), (1,)))

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pd.monitor_config import ConfigError, MonitorConfig, default_config_path, load_monitor_config
+from pd.spec.monitor_config import ConfigError, MonitorConfig, default_config_path, load_monitor_config
 
 
 def test_shipped_config_has_the_blog_thresholds():

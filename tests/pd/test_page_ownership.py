@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import pytest
 
-from pd.decode_kv import DecodeKV
-from pd.decode_side import DecodeConfig
-from pd.pages import TaggedPages, page_payload
-from pd.prefill_kv import PrefillKV, SourceRead
-from pd.prefill_side import PrefillConfig, PrefillNode
-from pd.transfer_engine import EngineFaults
+from pd.abort.decode_kv import DecodeKV
+from pd.abort.decode_side import DecodeConfig
+from pd.abort.pages import TaggedPages, page_payload
+from pd.abort.prefill_kv import PrefillKV, SourceRead
+from pd.abort.prefill_side import PrefillConfig, PrefillNode
+from pd.abort.transfer_engine import EngineFaults
 from tests.pd.harness import Harness
 
 ALL = (0,)  # one layer

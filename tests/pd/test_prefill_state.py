@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import pytest
 
-from pd.abort_stress import PDStressConfig, failures, run_pd_stress
-from pd.decode_side import SUCCESS, DecodeConfig
-from pd.messages import AbortAck, TransferRequest
-from pd.prefill_side import PrefillNode
-from pd.room_book import RoomBook
-from pd.transfer_engine import EngineFaults
-from pd.watermark import LowWatermark
+from pd.abort.stress import PDStressConfig, failures, run_pd_stress
+from pd.abort.decode_side import SUCCESS, DecodeConfig
+from pd.abort.messages import AbortAck, TransferRequest
+from pd.abort.prefill_side import PrefillNode
+from pd.abort.room_book import RoomBook
+from pd.abort.transfer_engine import EngineFaults
+from pd.abort.watermark import LowWatermark
 from tests.pd.harness import Harness
 
 

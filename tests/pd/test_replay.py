@@ -10,9 +10,9 @@ import pytest
 
 from layersplit.cli import monitor_cmd
 from layersplit.cli.app import _int_at_least
-from pd.monitor_config import load_monitor_config
-from pd.replay import format_results, load_records, parse_record, replay, summarize
-from pd.spec_monitor import GARBLED, HEALTHY, REPETITION
+from pd.spec.monitor_config import load_monitor_config
+from pd.spec.replay import format_results, load_records, parse_record, replay, summarize
+from pd.spec.monitor import GARBLED, HEALTHY, REPETITION
 
 SAMPLE = Path(__file__).parent / "data" / "sample.jsonl"
 

@@ -6,10 +6,10 @@ import re
 
 import pytest
 
-from pd.monitor_config import RetryPolicy
-from pd.retry import GIVE_UP, RETRY, CONTINUE, MonitorCounters, RetryController, backoff_delay, pick_instance
-from pd.spec_metrics import SpecSnapshot
-from pd.spec_monitor import GARBLED, HEALTHY, REPETITION, Verdict
+from pd.spec.monitor_config import RetryPolicy
+from pd.spec.retry import GIVE_UP, RETRY, CONTINUE, MonitorCounters, RetryController, backoff_delay, pick_instance
+from pd.spec.metrics import SpecSnapshot
+from pd.spec.monitor import GARBLED, HEALTHY, REPETITION, Verdict
 
 SNAP = SpecSnapshot("trace", 0, 0, None, None)
 

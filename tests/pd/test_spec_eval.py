@@ -9,11 +9,11 @@ import pytest
 
 from layersplit.cli import monitor_cmd
 from layersplit.cli.app import _int_at_least
-from pd.monitor_config import load_monitor_config
-from pd.replay import ReplayRecord, replay_record
-from pd.spec_eval import detect_monitor, detect_text, make_traces, run_eval, score
-from pd.spec_synth import RARE, SynthTrace
-from pd.text_baseline import TextBaseline
+from pd.spec.monitor_config import load_monitor_config
+from pd.spec.replay import ReplayRecord, replay_record
+from pd.spec.evaluate import detect_monitor, detect_text, make_traces, run_eval, score
+from pd.spec.synth import RARE, SynthTrace
+from pd.spec.text_baseline import TextBaseline
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,7 @@ from fractions import Fraction
 
 import pytest
 
-from pd.spec_metrics import Ratio, RequestSpecState, accept_length, accept_rate, snapshot_from_meta
+from pd.spec.metrics import Ratio, RequestSpecState, accept_length, accept_rate, snapshot_from_meta
 
 
 def fed(accepted: list[int], draft_tokens: int = 4, window: int = 32) -> RequestSpecState:

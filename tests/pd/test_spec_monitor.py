@@ -6,9 +6,9 @@ import dataclasses
 
 import pytest
 
-from pd.monitor_config import GarbledRule, MonitorConfig, RepetitionRule, load_monitor_config
-from pd.spec_metrics import snapshot_from_meta
-from pd.spec_monitor import GARBLED, HEALTHY, REPETITION, SpecMonitor, judge
+from pd.spec.monitor_config import GarbledRule, MonitorConfig, RepetitionRule, load_monitor_config
+from pd.spec.metrics import snapshot_from_meta
+from pd.spec.monitor import GARBLED, HEALTHY, REPETITION, SpecMonitor, judge
 
 
 def config(window: int = 32, garbled_signal: str = "cumulative", repetition_signal: str = "cumulative",

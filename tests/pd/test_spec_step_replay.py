@@ -11,11 +11,11 @@ import pytest
 
 from layersplit.cli import monitor_cmd
 from layersplit.cli.app import _int_at_least
-from pd.monitor_config import load_monitor_config
-from pd.replay import load_records, replay, summarize
-from pd.spec_eval import make_traces, sweep
-from pd.spec_metrics import RequestSpecState, StepState
-from pd.spec_monitor import GARBLED, HEALTHY, REPETITION, SpecMonitor, StepJudge
+from pd.spec.monitor_config import load_monitor_config
+from pd.spec.replay import load_records, replay, summarize
+from pd.spec.evaluate import make_traces, sweep
+from pd.spec.metrics import RequestSpecState, StepState
+from pd.spec.monitor import GARBLED, HEALTHY, REPETITION, SpecMonitor, StepJudge
 
 BASE = load_monitor_config()
 CONFIGS = [("configs/monitor.yaml", BASE)] + sweep(BASE)
@@ -171,7 +171,7 @@ def test_step_line_errors_name_file_and_line(tmp_path, line, pattern):
 def test_cli_replays_a_step_export_with_other_thresholds(tmp_path, capsys):
     path, cfg = tmp_path / "steps.jsonl", tmp_path / "later.yaml"
     write_steps(path, {"g": [0] * 129, "l": [3] * 32}, verdicts={"g": GARBLED, "l": REPETITION})
-    text = (BASE_PATH := __import__("pd.monitor_config", fromlist=["x"]).default_config_path()).read_text()
+    text = (BASE_PATH := __import__("pd.spec.monitor_config", fromlist=["x"]).default_config_path()).read_text()
     cfg.write_text(text.replace("after_generated_tokens: 128", "after_generated_tokens: 256"))
     assert BASE_PATH.is_file()
     parser = argparse.ArgumentParser()

@@ -1,0 +1,265 @@
+"""State hashing: a canonical fingerprint of a :class:`~pd.abort.check.world.World`, so revisits are pruned.
+
+The fingerprint keeps everything the protocol's future depends on and drops what it does not: counters
+and statistics, virtual times, random-number states (they only draw delays, which the checker does not
+use, and fresh abort tokens, which are only ever compared for equality). Values that are fresh names —
+abort tokens, page generations, engine batch ids, the request objects themselves — are renamed by
+first appearance, so two interleavings that reach the same state up to those names hash alike.
+:data:`FIELDS` classifies every attribute of every class a world holds, as *state* (hashed) or
+*ignored*; ``unclassified`` (run by a test) catches a new attribute nobody has classified yet.
+An invariant may read only hashed state: a revisit is pruned before it is checked.
+"""
+
+from __future__ import annotations
+
+import itertools
+from functools import partial
+
+from pd.abort.check.choice_channel import ChoiceChannel
+from pd.abort.cluster import PDCluster
+from pd.abort.decode_side import TRANSFERRING, WAITING, DecodeNode, DecodeRequest
+from pd.abort.messages import Abort, AbortAck, TransferRequest
+from pd.abort.prefill_kv import PrefillKV, SourceRead
+from pd.abort.prefill_side import PrefillNode, PrefillRequest
+from pd.abort.transfer_engine import TransferEngine, WriteTag
+
+_COUNTERS = {"stats", "rng"}
+FIELDS: dict[type, tuple[set[str], set[str]]] = {  # class -> (state, ignored)
+    DecodeNode: ({"reqs", "queue", "watermarks", "_epoch", "kv", "life", "fenced"},
+                 _COUNTERS | {"loop", "cfg", "send", "topology", "registry", "on_finish", "release_latencies",
+                              "abort_reasons", "fence_writer", "fences", "releases", "held_aborted_pages",
+                              "peak_held_aborted_pages"}),
+    DecodeRequest: ({"rid", "room", "n_pages", "state", "pages", "tags", "epoch", "incarnations", "told", "done_peers",
+                     "open_ranks", "abort_reason", "abort_token", "unacked", "sends", "quarantined", "resend_armed"},
+                    {"aborted_at"}),
+    PrefillNode: ({"incarnation", "alive", "up", "book", "kv", "queue", "engine", "decode_life", "orphans"},
+                  _COUNTERS | {"peer", "loop", "cfg", "send", "layers", "fraction", "registry", "_past_peaks",
+                               "on_late_reject"}),
+    PrefillRequest: ({"msg", "incarnation", "sources", "source_tags", "computing", "lease", "aborted", "token",
+                      "failed", "posted_all", "done", "orphaned"}, set()),
+    TransferEngine: ({"_status", "_batches", "_in_flight", "_drain_waiters", "fenced_upto"},
+                     _COUNTERS | {"loop", "land", "faults", "_next"}),
+    PDCluster: ({"rooms", "attempts", "latest", "decode", "prefills", "channel", "loop", "registry", "partitioned"},
+                _COUNTERS | {"cfg", "fault_rng", "outcomes", "retries", "misaddress_rng", "watch"}),
+    ChoiceChannel: ({"queues", "late"}, {"stats", "_handlers"}),
+}
+
+
+# WaitingForInput and Transferring differ only in statistics: every decision of DecodeNode treats them
+# alike (both live, both polled, both accept TransferDone), so states that differ only there are one state
+_STATE = {TRANSFERRING: WAITING}
+
+
+def unclassified(world) -> list[str]:
+    """``Class.attribute`` names present in ``world`` that :data:`FIELDS` does not classify."""
+    c = world.cluster
+    objects = [c, c.decode, c.channel, *c.prefills, *(n.engine for n in c.prefills), *c.decode.reqs.values(),
+               *(r for n in c.prefills for r in n.book.records.values())]
+    missing = set()
+    for obj in objects:
+        state, ignored = FIELDS[type(obj)]
+        missing |= {f"{type(obj).__name__}.{a}" for a in vars(obj) if a not in state | ignored}
+    return sorted(missing)
+
+
+class _Canon:
+    """Renames fresh values and objects by first appearance, and — for the symmetry reduction — prefill
+    ranks by ``ranks[r]`` and request ids by ``rids[i]`` (every place a rank or a rid occurs goes through
+    :meth:`rank` / :meth:`rid`; the checker's topology gives rank r exactly layer r)."""
+
+    def __init__(self, world, ranks: tuple[int, ...] | None = None, rids: tuple[int, ...] | None = None) -> None:
+        self.names: dict[tuple, int] = {}
+        self.world = world
+        n = len(world.cluster.prefills)
+        self.ranks = ranks or tuple(range(n))
+        self.order = sorted(range(n), key=self.ranks.__getitem__)  # old rank at each new position
+        self.rids = rids
+        # past the re-send bound the count changes nothing but a (capped) delay, which orders nothing here:
+        # without the cap a rank that never answers would make the state space infinite
+        self.sends_bound = world.bounds.abort_sends
+
+    def name(self, kind: str, raw) -> int | None:
+        return None if raw is None else self.names.setdefault((kind, raw), len(self.names))
+
+    def rank(self, r: int) -> int:
+        return self.ranks[r] if 0 <= r < len(self.ranks) else r  # a non-owner peer id stays itself
+
+    def rid(self, rid: int) -> int:
+        return rid if self.rids is None or not 0 <= rid < len(self.rids) else self.rids[rid]
+
+    def per_rank(self, values) -> tuple:
+        """A per-rank sequence in the renamed ranks' order."""
+        return tuple(values[old] for old in self.order)
+
+    def ranks_of(self, ranks) -> tuple[int, ...]:
+        return tuple(sorted(self.rank(r) for r in ranks))
+
+    def pair(self, pair: tuple[str, str]) -> tuple[str, str]:
+        return tuple(f"prefill{self.rank(int(e[len('prefill'):]))}" if e.startswith("prefill") else e for e in pair)
+
+    def tag(self, t: WriteTag | None):
+        return None if t is None else (t.room, self.name("gen", t.generation), t.life)
+
+    def obj(self, o):
+        key = ("obj", id(o))
+        if key in self.names:
+            return ("ref", self.names[key])
+        self.names[key] = len(self.names)
+        if isinstance(o, DecodeRequest):
+            return ("D", self.rid(o.rid), o.room, o.n_pages, _STATE.get(o.state, o.state), tuple(o.pages),
+                    tuple(self.tag(t) for t in o.tags), o.epoch, self.per_rank(o.incarnations) if o.incarnations else (),
+                    self.ranks_of(o.told), self.ranks_of(o.done_peers), self.ranks_of(o.open_ranks), o.abort_reason,
+                    self.name("tok", o.abort_token), self.ranks_of(o.unacked), min(o.sends, self.sends_bound),
+                    o.quarantined, o.resend_armed)
+        assert isinstance(o, PrefillRequest), f"no canonical form for {type(o).__name__}"
+        return ("P", self.msg(o.msg), o.incarnation, tuple(o.sources), tuple(self.tag(t) for t in o.source_tags),
+                o.computing, o.lease, o.aborted, self.name("tok", o.token), o.failed, o.posted_all, o.done, o.orphaned)
+
+    def msg(self, m):
+        if isinstance(m, TransferRequest):
+            return ("TR", self.rid(m.rid), m.room, m.epoch, m.incarnation, m.floor, m.pages,
+                    tuple(self.name("gen", g) for g in m.generations), m.decode_life)
+        if isinstance(m, Abort):
+            return ("A", self.rid(m.rid), m.room, self.name("tok", m.token), m.epoch, m.floor, m.decode_life)
+        if isinstance(m, AbortAck):
+            return ("AA", self.rid(m.rid), m.room, self.name("tok", m.token), self.rank(m.peer), m.incarnation,
+                    m.decode_life)
+        return (type(m).__name__, self.rid(m.rid), m.room, self.rank(m.peer), m.incarnation, m.decode_life)
+
+    def value(self, v):
+        if isinstance(v, (DecodeRequest, PrefillRequest)):
+            return self.obj(v)
+        if isinstance(v, WriteTag):
+            return self.tag(v)
+        if isinstance(v, SourceRead):
+            return ("src", self.name("kv", id(v.kv)), v.page, self.tag(v.tag))
+        if isinstance(v, tuple):
+            return tuple(self.value(x) for x in v)
+        if isinstance(v, partial):
+            return (self.fn(v.func), tuple(self.value(a) for a in v.args))
+        if callable(v):
+            return self.fn(v)
+        if isinstance(v, (TransferRequest, Abort, AbortAck)) or hasattr(v, "peer"):
+            return self.msg(v)
+        return v
+
+    def fn(self, f):
+        target = getattr(f, "__self__", None)
+        return (getattr(f, "__name__", repr(f)), self.owner(target))
+
+    def owner(self, target):
+        c = self.world.cluster
+        if target is c.decode:
+            return "decode"
+        if isinstance(target, PrefillNode):
+            return ("prefill", self.rank(target.peer))
+        if isinstance(target, TransferEngine):
+            return ("engine", self.rank(next(i for i, n in enumerate(c.prefills) if n.engine is target)))
+        if isinstance(target, PrefillKV):
+            return ("kv", self.name("kv", id(target)))
+        if target is c:
+            return "router"
+        return None if target is None or isinstance(target, type(len)) else type(target).__name__
+
+
+def _sort_key(k: _Canon, event) -> str:
+    fn, args = event[2], event[3]
+    name = getattr(fn, "__name__", "")
+    if name in _RANK_ARG or name == "submit":
+        args = (k.rank(args[0]) if name in _RANK_ARG else k.rid(args[0]),) + tuple(args[1:])
+    elif name == "_write":
+        args = (args[0], _dest(k, args[1])) + tuple(args[2:])
+
+    def raw(a) -> str:
+        if isinstance(a, DecodeRequest):
+            return f"d{a.room}"
+        if isinstance(a, PrefillRequest):
+            return f"p{a.msg.room}.{a.incarnation}"
+        if isinstance(a, WriteTag):
+            return f"t{a.room}"
+        if isinstance(a, SourceRead):
+            return f"s{a.page}"
+        return str(a)
+    owner = k.owner(getattr(fn, "__self__", None))
+    return f"{name}|{owner}|" + "|".join(raw(a) for a in args)
+
+
+_RANK_ARG = ("_suspect", "expire")  # events whose first argument is a prefill rank
+
+
+def _dest(k: _Canon, dest) -> tuple:
+    page, layers = dest  # the checker's topology: rank r owns layer r
+    return (page, tuple(sorted(k.rank(layer) for layer in layers)))
+
+
+def symmetries(world) -> list[tuple[tuple[int, ...], tuple[int, ...] | None]]:
+    """Every (rank renaming, rid renaming) of the symmetry reduction: prefill ranks are interchangeable
+    (each owns one layer, the protocol treats them alike), so are request ids (all submitted at once)."""
+    ranks = list(itertools.permutations(range(len(world.cluster.prefills))))
+    rids = list(itertools.permutations(range(world.bounds.requests)))
+    return [(p, q) for p in ranks for q in rids]
+
+
+def fingerprint(world, symmetry: bool = False) -> int:
+    """A hash of ``world``'s canonical form (equal for states equal up to fresh names); with ``symmetry``,
+    the least over every renaming of ranks and request ids (equal for states equal up to those too)."""
+    if not symmetry:
+        return hash(canonical(world))
+    return min(hash(canonical(world, ranks, rids)) for ranks, rids in symmetries(world))
+
+
+def canonical(world, ranks: tuple[int, ...] | None = None, rids: tuple[int, ...] | None = None) -> tuple:
+    k, c = _Canon(world, ranks, rids), world.cluster
+    d = c.decode
+    decode = (_pages(k, d.kv, d.kv.data, len(d.kv.overwrites), layers=True),
+              tuple(k.obj(d.reqs[room]) for room in sorted(d.reqs)), tuple(k.obj(r) for r in d.queue), d._epoch,
+              k.per_rank([(tuple(sorted(e for e in w._open if e not in w._closed)), w._next) for w in d.watermarks]),
+              d.stats["checksum_mismatches"], d.life, k.per_rank(d.fenced))  # the statistic an invariant reads
+    prefills = tuple(
+        (n.incarnation, n.alive, n.up, k.name("kv", id(n.kv)), _pages(k, n.kv, n.kv.content, len(n.kv.stale_reads)),
+         tuple((room, k.obj(n.book.records[room])) for room in sorted(n.book.records)),
+         tuple(sorted(n.book.tombstones.items())), n.book.floor, tuple(sorted(n.book._by_epoch)),
+         tuple(k.obj(r) for r in n.queue), n.decode_life,
+         tuple(k.obj(r) for r in sorted(n.orphans, key=lambda r: (r.msg.room, r.incarnation))))
+        for n in k.per_rank(c.prefills))
+    engines = tuple(
+        (tuple((k.name("batch", (rank, b)), e._status[b], rec.owner, rec.remaining, k.value(rec.on_status),
+                k.value(rec.on_quiesced)) for b, rec in sorted(e._batches.items())),
+         tuple(sorted((o, v) for o, v in e._in_flight.items() if v)),
+         tuple((k.value(owners), k.value(fn)) for owners, fn in e._drain_waiters),
+         e.fenced_upto, e.stats["fenced_landed"])  # the statistic an invariant reads
+        for rank, e in k.per_rank(list(enumerate(n.engine for n in c.prefills))))
+    queues = sorted((k.pair(pair), q) for pair, q in world.channel.queues.items() if q)
+    channel = (tuple((pair, tuple(k.msg(m) for m in q)) for pair, q in queues),
+               tuple(sorted(((k.pair(pair), k.msg(m)) for pair, m in world.channel.late), key=repr)))
+    events = tuple(_event(k, e) for e in sorted(c.loop.events(), key=lambda e: _sort_key(k, e)))
+    return (decode, prefills, engines, k.per_rank(c.registry._serving), k.per_rank(c.registry.revoked), channel,
+            events, c.rooms, k.ranks_of(c.partitioned), c.stats["false_late_rejections"],
+            tuple(sorted((k.rid(rid), n) for rid, n in c.attempts.items())),
+            tuple(sorted((k.rid(rid), k.obj(c.latest[rid])) for rid in sorted(c.latest))),
+            world.faults_used, world.cancels_used,
+            tuple(sorted(((k.rank(r), inc, life), floor) for (r, inc, life), floor in world.floors_told.items())),
+            tuple(sorted(world.polls.items())))
+
+
+def _event(k: _Canon, e) -> tuple:
+    fn, args = e[2], e[3]
+    name = getattr(fn, "__name__", "")
+    if name in ("_write", "fail", "_quiesce"):  # engine events: batch ids are fresh names
+        rank = next(i for i, n in enumerate(k.world.cluster.prefills) if n.engine is fn.__self__)
+        rest = ((_dest(k, args[1]),) + tuple(k.value(a) for a in args[2:])) if name == "_write" else ()
+        return (k.fn(fn), k.name("batch", (rank, args[0])), rest)
+    if name in _RANK_ARG:
+        return (k.fn(fn), (k.rank(args[0]),) + tuple(k.value(a) for a in args[1:]))
+    if name == "submit":
+        return (k.fn(fn), (k.rid(args[0]),))
+    return (k.fn(fn), tuple(k.value(a) for a in args))
+
+
+def _pages(k: _Canon, pages, content, extra: int = 0, layers: bool = False) -> tuple:
+    rows = tuple(k.per_rank(r) if layers else _row(r) for r in content)  # decode rows: one layer per rank
+    return (tuple(k.tag(t) for t in pages.owner), tuple(pages.free_pages), rows, len(pages.bad_frees), extra)
+
+
+def _row(r):
+    return tuple(r) if isinstance(r, list) else r
