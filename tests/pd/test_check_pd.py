@@ -43,11 +43,16 @@ TEETH = {
                                  fault_kinds=("kill",)),
     "decode-life-fence": dict(prefill_ranks=1, requests=1, faults=1, cancels=0, retries=0, polls=0,
                               fault_kinds=("decode_restart",)),
-    "floor-per-decode-life": dict(prefill_ranks=1, requests=2, faults=1, cancels=0, retries=1, polls=0,
-                                  fault_kinds=("decode_restart",)),
     "owners-only": dict(requests=1, faults=1, cancels=0, retries=0, polls=0, fault_kinds=("misaddress",)),
     "reply-from-its-peer": dict(requests=1, faults=1, cancels=0, retries=0, polls=0, fault_kinds=("misaddress",)),
 }
+
+
+# found by the CLI and recorded (13 steps, ~15,000 states, ~20-60 s here: too slow to search in CI); the replay
+# below still proves it; tests/pd/test_decode_identity.py shows the same race scripted:
+#   layersplit check pd --prefill-ranks 1 --requests 1 --faults 1 --cancels 0 --retries 2 --polls 0 \
+#     --abort-sends 1 --channel-capacity 1 --fault-kinds decode_restart --guard-off floor-per-decode-life
+RECORDED_ONLY = ("floor-per-decode-life",)
 
 
 def teeth_bounds(name: str) -> CheckBounds:
@@ -77,7 +82,7 @@ def test_unsafe_variant_has_a_counterexample(name):
     assert len(ce["trace"]) <= len(trace), "breadth-first: never longer than the recorded shortest trace"
 
 
-@pytest.mark.parametrize("name", list(TEETH))
+@pytest.mark.parametrize("name", list(TEETH) + list(RECORDED_ONLY))
 def test_recorded_counterexample_replays(name):
     bounds, trace, violation = load_counterexample(DATA / f"{name}.json")
     unsafe = replay(bounds, trace)
@@ -102,7 +107,7 @@ def test_symmetry_reduction_loses_no_state_class():
 def test_every_guard_has_teeth_or_is_a_detector():
     """Every guard is checked here, except the stale-free check, which no schedule reaches while the
     other guards hold (the checker's own free-list invariant watches the same thing)."""
-    assert set(GUARDS) - set(TEETH) == {"free-by-owner-only"}
+    assert set(GUARDS) - set(TEETH) - set(RECORDED_ONLY) == {"free-by-owner-only"}
 
 
 def test_guards_off_restores_the_protocol():
