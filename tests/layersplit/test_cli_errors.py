@@ -30,7 +30,7 @@ CASES = [
     (["plan", "--model", "glm-5", "--cp", "8", "--hardware", "h200", "--max-batch-tokens", str(10**15)],
      "--max-batch-tokens: two scratch slots"),
     (["plan", "--model", "glm-5", "--cp", "8", "--hardware", "h200", "--context-len", str(10**15)],
-     "--context-len: expected <= 1,889,092 tokens"),
+     "--context-len: expected <= 1,624,268 tokens"),
     (["stress", "hicache", "--seed", str(2**70)], "layersplit stress hicache: error: argument --seed"),
     (["stress", "pd", "--drop", "1.5"], "layersplit stress pd: error: argument --drop: expected a number in [0, 1)"),
     (["sweep", "--out", "/etc/hostname/sweep"], "argument --out: cannot write"),
