@@ -26,14 +26,28 @@ The MLA fp8 layout keeps FlashMLA's non-rounded ``amax / 448`` scale.
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the tensor helpers below take tensors; the constants and sizes need no torch
+    import torch
 
 PAGE_SIZE = 64
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 FP8_TILE = 128  # latent elements per fp32 scale in the fp8 MLA layout
 INDEX_BLOCK = 128  # indexer values per ue8m0 scale (DeepSeek's block_size); keys and query heads are one block
 AMAX_FLOOR = 1e-4  # keeps an all-zero row from producing a zero scale
-FP8_DTYPE = torch.float8_e4m3fn
+
+
+def __getattr__(name: str):
+    """``FP8_DTYPE`` (``torch.float8_e4m3fn``), resolved on first use: this module stays importable
+    without torch (``layersplit plan`` is arithmetic over the sizes above), while the kernels that make
+    fp8 tensors keep importing ``FP8_DTYPE`` from here."""
+    if name == "FP8_DTYPE":
+        import torch
+
+        globals()["FP8_DTYPE"] = torch.float8_e4m3fn
+        return torch.float8_e4m3fn
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def mla_row_bytes(kv_lora_rank: int, rope_dim: int, kv_dtype: str) -> int:
@@ -58,6 +72,8 @@ def index_page_bytes(index_head_dim: int) -> int:
 
 def index_head_dim_of(index_cache: torch.Tensor) -> int:
     """Recover ``D`` from a paged indexer cache ``[num_pages, 64 * (D + 4)]`` uint8."""
+    import torch
+
     if index_cache.dim() != 2 or index_cache.dtype != torch.uint8:
         raise ValueError(
             f"index_cache: expected uint8 [num_pages, {PAGE_SIZE} * (D + 4)], "
@@ -74,6 +90,8 @@ def index_head_dim_of(index_cache: torch.Tensor) -> int:
 
 def kv_dtype_of(kv_cache: torch.Tensor) -> str:
     """'bf16' for a bf16 cache, 'fp8' for the uint8 656-byte layout."""
+    import torch
+
     if kv_cache.dtype == torch.bfloat16:
         return "bf16"
     if kv_cache.dtype == torch.uint8:
@@ -87,6 +105,8 @@ def as_pages(buf: torch.Tensor, rows_per_page: int) -> torch.Tensor:
     ``rows_per_page`` is 64 for slot-indexed caches (MLA ``[num_slots, row]``) and 1 for
     page-indexed caches (indexer ``[num_pages, page_bytes]``).
     """
+    import torch
+
     if not buf.is_contiguous():
         raise ValueError("paged buffer: expected a contiguous tensor")
     if buf.dim() < 1 or buf.shape[0] % rows_per_page:

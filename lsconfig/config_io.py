@@ -5,6 +5,7 @@ expected and what was found. Shared by every package's loaders (model/hardware/s
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 from typing import Any, Callable
 
@@ -19,11 +20,51 @@ _TYPES = {"int": int, "float": float, "str": str, "bool": bool}
 _TYPE_NAMES = {int: "int", float: "number", str: "str", bool: "bool"}
 
 
-def read_yaml(path: Path) -> Any:
+def read_config_text(path: Path) -> str:
+    """The UTF-8 text of a config file; an unreadable or non-UTF-8 file is one :class:`ConfigError` line
+    naming it (never a bare ``PermissionError`` traceback or a codec message without the file)."""
     try:
-        return yaml.safe_load(path.read_text())
+        raw = Path(path).read_bytes()
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: expected a config file, got no such file") from None
+    except IsADirectoryError:
+        raise ConfigError(f"{path}: expected a config file, got a folder") from None
+    except PermissionError:
+        raise ConfigError(f"{path}: expected a readable config file, got permission denied") from None
+    except OSError as exc:
+        raise ConfigError(f"{path}: expected a readable config file, got {exc.strerror or exc}") from None
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: expected UTF-8 text, got byte 0x{raw[exc.start]:02x} at offset {exc.start} "
+                          "(not UTF-8)") from None
+
+
+def _one_line(text: str) -> str:
+    return " ".join(str(text).split())
+
+
+def read_yaml(path: Path) -> Any:
+    """Parse a YAML config; a syntax error is one line ``FILE:LINE:COL: expected valid YAML, got ...``."""
+    text = read_config_text(path)
+    try:
+        return yaml.safe_load(text)
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark or exc.context_mark
+        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else str(path)
+        what = "; ".join(_one_line(p) for p in (exc.context, exc.problem) if p)
+        raise ConfigError(f"{where}: expected valid YAML, got a parse error: {what}") from None
     except yaml.YAMLError as exc:
-        raise ConfigError(f"{path}: expected valid YAML, got a parse error: {exc}") from None
+        raise ConfigError(f"{path}: expected valid YAML, got a parse error: {_one_line(exc)}") from None
+
+
+def read_json(path: Path) -> Any:
+    """Parse a JSON config (a model's ``config.json``); a syntax error is one line ``FILE:LINE:COL: ...``."""
+    text = read_config_text(path)
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{path}:{exc.lineno}:{exc.colno}: expected valid JSON, got {exc.msg}") from None
 
 
 def require(path: Path, cond: bool, key: str, expected: str, got: Any) -> None:

@@ -17,9 +17,28 @@ def kernel_backend() -> str:
 
 
 def config_dir() -> Path | None:
-    """``LAYERSPLIT_CONFIG_DIR``: a folder with ``models/`` and ``hardware/`` YAML (default: the repo's ``configs/``)."""
+    """``LAYERSPLIT_CONFIG_DIR``: a folder with ``models/``, ``hardware/`` and ``sweeps/`` YAML (default:
+    the shipped configs, :func:`lsconfig.paths.shipped_configs`). Set, it must name an existing folder."""
     value = os.environ.get("LAYERSPLIT_CONFIG_DIR")
-    return Path(value) if value else None
+    if not value:
+        return None
+    path = Path(value)
+    if not path.is_dir():
+        got = "a file" if path.exists() else "no such folder"
+        raise ValueError(f"LAYERSPLIT_CONFIG_DIR: expected an existing folder of configs, got {value!r} ({got})")
+    return path
+
+
+def hf_hub_cache() -> Path:
+    """The local Hugging Face hub cache (Hugging Face's own variables, read here so they are in one
+    place): ``HF_HUB_CACHE``, else ``HF_HOME/hub``, else ``XDG_CACHE_HOME/huggingface/hub``, else
+    ``~/.cache/huggingface/hub``. Only read from; nothing is downloaded."""
+    if os.environ.get("HF_HUB_CACHE"):
+        return Path(os.environ["HF_HUB_CACHE"]).expanduser()
+    if os.environ.get("HF_HOME"):
+        return Path(os.environ["HF_HOME"]).expanduser() / "hub"
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache").expanduser()
+    return cache / "huggingface" / "hub"
 
 
 def triton_interpret() -> bool:

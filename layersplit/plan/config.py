@@ -1,4 +1,6 @@
-"""Model and hardware configs: YAML files under ``configs/`` loaded into frozen dataclasses.
+"""Model and hardware configs: YAML files under ``configs/`` loaded into frozen dataclasses; a model
+may also be given as its own Hugging Face ``config.json`` (a file, a model folder or a cached model id;
+:mod:`.model_json`).
 
 Every loading error names the file, the field, what was expected and what was found::
 
@@ -13,14 +15,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lsconfig import envs
+from lsconfig import envs, paths
+from lsconfig import config_io
 from lsconfig.config_io import ConfigError, build, check_field, read_yaml, require
 from dsa_kernels.layout import index_row_bytes, mla_row_bytes
+from layersplit.plan import model_json
 
 
 def configs_root() -> Path:
-    """``LAYERSPLIT_CONFIG_DIR`` if set, else the repository's ``configs/``."""
-    return envs.config_dir() or Path(__file__).resolve().parents[2] / "configs"
+    """``LAYERSPLIT_CONFIG_DIR`` if set (an existing folder), else the shipped configs (the checkout's
+    ``configs/`` or the wheel's copy, :func:`lsconfig.paths.shipped_configs`)."""
+    return paths.configs_root()
 
 
 @dataclass(frozen=True)
@@ -35,6 +40,18 @@ class IndexerLayers:
     def layer_ids(self, num_layers: int) -> tuple[int, ...]:
         rest = range(self.start, num_layers, self.every) if self.every else ()
         return tuple(sorted(set(range(min(self.leading, num_layers))) | set(rest)))
+
+    @classmethod
+    def from_ids(cls, ids: tuple[int, ...], num_layers: int) -> IndexerLayers | None:
+        """The rule whose ``layer_ids(num_layers)`` is exactly ``ids`` (``ALL_LAYERS`` for every
+        layer), or None when ``ids`` is not leading layers then a fixed stride."""
+        if tuple(ids) == tuple(range(num_layers)):
+            return ALL_LAYERS
+        leading = next((i for i, layer in enumerate(ids) if layer != i), len(ids))
+        rest = ids[leading:]
+        every = (rest[1] - rest[0]) if len(rest) > 1 else (num_layers if rest else 0)
+        rule = cls(leading=leading, start=rest[0] if rest else 0, every=every)
+        return rule if rule.layer_ids(num_layers) == tuple(ids) else None
 
 
 ALL_LAYERS = IndexerLayers(leading=1 << 30, start=0, every=0)
@@ -160,7 +177,13 @@ def _build(cls: type, path: Path, data: Any, special: dict[str, Any]) -> Any:
     return build(cls, path, data, special=special, nonnegative=True)
 
 
-def _validate_model(path: Path, m: ModelConfig) -> ModelConfig:
+def _validate_model(path: Path, m: ModelConfig, key_of: dict[str, str] | None = None) -> ModelConfig:
+    """Range checks; ``key_of`` renames fields in errors (a ``config.json``'s own keys)."""
+    key_of = key_of or {}
+
+    def require(path, cond, key, expected, got):  # the module's require, with the field renamed
+        config_io.require(path, cond, key_of.get(key, key), expected, got)
+
     positive = ["num_layers", "hidden_size", "num_heads", "q_lora_rank", "kv_lora_rank", "qk_rope_head_dim",
                 "qk_nope_head_dim", "v_head_dim", "index_n_heads", "index_head_dim", "index_topk",
                 "n_routed_experts", "num_experts_per_tok", "moe_intermediate_size", "intermediate_size", "vocab_size"]
@@ -182,22 +205,54 @@ _FOLDERS = {"model": "models", "hardware": "hardware"}
 
 
 def _resolve(kind: str, name_or_path: str | Path) -> Path:
+    """The file behind a config name or path; for a model also a ``config.json``, a folder holding one,
+    or a model id (``ORG/NAME``) in the local Hugging Face cache."""
     path = Path(name_or_path)
-    if path.suffix in (".yaml", ".yml") or path.exists():
+    if kind == "model" and model_json.is_model_json(path):
+        path = path / "config.json" if path.is_dir() else path
+    if path.suffix in (".yaml", ".yml", ".json") or path.exists():
         if not path.is_file():
-            raise ConfigError(f"{path}: expected a {kind} config file, got no such file")
+            folder = "a folder without config.json" if kind == "model" else "a folder"
+            got = folder if path.is_dir() else "no such file"
+            raise ConfigError(f"{path}: expected a {kind} config file, got {got}")
         return path
     folder = configs_root() / _FOLDERS[kind]
+    if not folder.is_dir():
+        raise ConfigError(f"{kind} '{name_or_path}': expected a folder {folder} of {kind} configs, got no such folder")
     path = folder / f"{name_or_path}.yaml"
+    cached = model_json.hf_cache_config(str(name_or_path)) if kind == "model" and "/" in str(name_or_path) else None
+    if cached:
+        return cached
     if not path.is_file():
         known = sorted(p.stem for p in folder.glob("*.yaml"))
-        raise ConfigError(f"{kind} '{name_or_path}': expected one of {known} or a path to a .yaml file, got no such config")
+        also = (", a config.json or model folder, or a model id in the local Hugging Face cache "
+                f"({envs.hf_hub_cache()})") if kind == "model" else ""
+        raise ConfigError(f"{kind} '{name_or_path}': expected one of {known}, a path to a .yaml file{also}; "
+                          "got no such config")
     return path
 
 
+_JSON_KEYS = {**model_json.FIELDS, "indexer_layers": "indexer_types/index_topk_pattern/index_topk_freq"}
+
+
+def _model_from_json(path: Path, name: str) -> ModelConfig:
+    values = model_json.model_fields(path)
+    ids = values.pop("indexer_layer_ids")
+    rule = IndexerLayers.from_ids(ids, values["num_layers"])
+    if rule is None:
+        raise ConfigError(f"{path}: indexer layers {list(ids)}: expected leading layers then every k-th layer "
+                          "(the pattern the planner models), got another pattern")
+    return _validate_model(path, ModelConfig(name=name, indexer_layers=rule, **values), _JSON_KEYS)
+
+
 def load_model(name_or_path: str | Path) -> ModelConfig:
-    """Load ``configs/models/<name>.yaml`` (or a path) into a validated :class:`ModelConfig`."""
+    """Load ``configs/models/<name>.yaml``, a YAML path, or a model's own ``config.json`` (a file, a
+    folder holding one, or a cached model id; :mod:`.model_json`) into a validated :class:`ModelConfig`."""
     path = _resolve("model", name_or_path)
+    if path.suffix == ".json":  # named by its folder (a model directory) or, from the cache, by its id
+        given = Path(name_or_path)
+        name = (path.parent.name if path.name == "config.json" else path.stem) if given.exists() else str(name_or_path)
+        return _model_from_json(path, name)
     model = _build(ModelConfig, path, read_yaml(path), {"indexer_layers": _parse_indexer_layers})
     return _validate_model(path, model)
 
