@@ -24,18 +24,24 @@ DATA = Path(__file__).parent / "data" / "check"
 # at any moment and decode may time out at any moment, every order of every event and delivery
 CI_BOUND = CheckBounds(prefill_ranks=2, requests=1, faults=0, retries=0, cancels=1, polls=0, channel_capacity=1)
 
+ISSUE_20_FAULTS = ("drop", "duplicate", "reorder", "crash", "fail")  # the faults these races need (and were found with)
+
 # the smallest bounds at which each unsafe variant breaks (one rank where the race needs only one)
 TEETH = {
     "legacy": dict(requests=1, faults=0, cancels=0, retries=0, legacy=True),
     "idempotent-abort": dict(requests=1, faults=0, cancels=1, retries=0),
-    "release-unannounced-at-once": dict(prefill_ranks=1, requests=1, faults=1, cancels=0, retries=0),
+    "release-unannounced-at-once": dict(prefill_ranks=1, requests=1, faults=1, cancels=0, retries=0,
+        fault_kinds=ISSUE_20_FAULTS),
     "fan-in-every-rank": dict(requests=1, faults=0, cancels=0, retries=0),
     "quarantine-at-bound": dict(requests=1, faults=0, cancels=0, retries=0),
     "sources-held-until-drained": dict(requests=1, faults=0, cancels=0, retries=0),
-    "restart-drains-first": dict(prefill_ranks=1, requests=1, faults=1, cancels=0, retries=0, polls=0),
+    "restart-drains-first": dict(prefill_ranks=1, requests=1, faults=1, cancels=0, retries=0, polls=0,
+        fault_kinds=ISSUE_20_FAULTS),
     "prune-below-floor": dict(prefill_ranks=1, requests=2, faults=0, cancels=0, retries=0, polls=0),
-    "floor-rejects-late": dict(prefill_ranks=1, requests=2, faults=1, cancels=0, retries=0, polls=0, abort_sends=1),
-    "incarnation-address": dict(prefill_ranks=1, requests=1, faults=2, cancels=0, retries=0, polls=0),
+    "floor-rejects-late": dict(prefill_ranks=1, requests=2, faults=1, cancels=0, retries=0, polls=0, abort_sends=1,
+        fault_kinds=("duplicate",)),  # the late duplicate it needs
+    "incarnation-address": dict(prefill_ranks=1, requests=1, faults=2, cancels=0, retries=0, polls=0,
+        fault_kinds=ISSUE_20_FAULTS),
     # issue 25: each with the one fault kind its race needs
     "quarantine-heals": dict(prefill_ranks=1, requests=1, faults=1, cancels=0, retries=0, polls=0, abort_sends=1,
                              fault_kinds=("drop",)),
