@@ -27,16 +27,42 @@ def plan_capacity(model: str = "glm-5", hardware: str = "h200", *, cp: int = 8, 
     return capacity_plan(load_model(model), load_hardware(hardware), PlanRequest(cp=cp, **options))
 
 
+RESULT_FILES = ("points.jsonl", "table.md", "throughput.png", "gain_map.md", "gain_map.png")
+
+
+def check_out(out: str | Path, force: bool = False) -> Path:
+    """``out`` is usable as a sweep's results folder: not a file, and holding no earlier sweep's results
+    unless ``force`` (a sweep never overwrites results without being told to)."""
+    folder = Path(out)
+    if folder.exists() and not folder.is_dir():
+        raise ValueError(f"expected a folder, got the file {str(folder)!r}")
+    held = [name for name in RESULT_FILES if (folder / name).exists()] if folder.is_dir() else []
+    if held and not force:
+        raise ValueError(f"{folder} already holds a sweep's results ({', '.join(held)}); pass --force "
+                         "(force=True) to replace them, or choose another folder")
+    return folder
+
+
 def sweep(config: str | Path = "cpu", *, engine: str | None = None, out: str | Path | None = None,
-          progress=None) -> list[dict]:
+          progress=None, force: bool = False) -> list[dict]:
     """Run the sweep ``config`` (a name under ``configs/sweeps`` or a YAML path; ``engine`` overrides
     its ``real``/``model`` engine) and return its points. With ``out``, ``points.jsonl`` grows as each
-    length finishes and ``table.md`` + ``throughput.png`` are written at the end."""
+    length finishes and ``table.md`` + ``throughput.png`` are written at the end; a folder that holds
+    earlier results is refused unless ``force``. ``progress(n)``: told as points finish."""
     import json
 
     from layersplit.serving.sweep import run_sweep, write_outputs
     from layersplit.serving.sweep_config import ENGINES, load_sweep
 
+    if progress is not None and not callable(progress):
+        raise ValueError(f"progress: expected a callable or None, got {progress!r}")
+    if not isinstance(force, bool):
+        raise ValueError(f"force: expected True or False, got {force!r}")
+    if out is not None:
+        try:
+            check_out(out, force)
+        except ValueError as exc:
+            raise ValueError(f"out: {exc}") from None
     cfg = load_sweep(config)
     if engine is not None:
         if engine not in ENGINES:

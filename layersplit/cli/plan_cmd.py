@@ -24,18 +24,31 @@ def _fraction(text: str) -> float:
     return value
 
 
+_KV_DTYPES = {"bf16": "bf16", "fp8": "fp8", "auto": "bf16", "bfloat16": "bf16", "fp8_e4m3": "fp8"}
+
+
+def _kv_dtype(text: str) -> str:
+    """This project's KV dtype names, and SGLang's ``--kv-cache-dtype`` names for the same layouts."""
+    if text not in _KV_DTYPES:
+        raise argparse.ArgumentTypeError(f"expected one of {tuple(_KV_DTYPES)}, got {text!r}")
+    return _KV_DTYPES[text]
+
+
 def add_parser(sub: argparse._SubParsersAction, _int_at_least) -> None:
     p = sub.add_parser("plan", help="KV capacity per CP rank: redundant CP vs LayerSplit")
-    p.add_argument("--model", required=True, help="model config name (configs/models) or YAML path")
+    p.add_argument("--model", "--model-path", dest="model", required=True,
+                   help="model config name (configs/models) or YAML path (--model-path: SGLang's name)")
     p.add_argument("--cp", required=True, type=_int_at_least(1), help="CP group size N")
     p.add_argument("--hardware", required=True, help="hardware config name (configs/hardware) or YAML path")
-    p.add_argument("--kv-dtype", choices=("bf16", "fp8"), default=_DEFAULTS.kv_dtype,
-                   help="KV cache dtype: bf16 (default) or fp8 (656 B per token and layer for GLM-5)")
+    p.add_argument("--kv-dtype", "--kv-cache-dtype", dest="kv_dtype", type=_kv_dtype, default=_DEFAULTS.kv_dtype,
+                   help="KV cache dtype: bf16 (default) or fp8 (656 B per token and layer for GLM-5); SGLang's "
+                        "--kv-cache-dtype names are taken too (auto, bfloat16: bf16; fp8_e4m3: fp8)")
     p.add_argument("--max-batch-tokens", type=_int_at_least(1), default=_DEFAULTS.max_batch_tokens,
                    help="context tokens one prefill batch reads (sizes each LayerSplit scratch slot)")
     p.add_argument("--context-len", type=_int_at_least(1), default=_DEFAULTS.context_len,
                    help="context length for the per-layer broadcast bytes")
-    p.add_argument("--mem-fraction", type=_fraction, default=_DEFAULTS.mem_fraction,
+    p.add_argument("--mem-fraction", "--mem-fraction-static", dest="mem_fraction", type=_fraction,
+                   default=_DEFAULTS.mem_fraction,
                    help="share of HBM for weights + KV (SGLang's mem_fraction_static)")
     p.add_argument("--weight-dtype", choices=tuple(WEIGHT_BYTES), default=_DEFAULTS.weight_dtype,
                    help="bytes per weight: fp8 = 1, bf16 = 2, none = ignore weights")

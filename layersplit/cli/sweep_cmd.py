@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -15,8 +16,11 @@ def add_parser(sub: argparse._SubParsersAction, int_at_least) -> None:
     p.add_argument("--engine", choices=("real", "model"), default=None,
                    help="real: measured on this machine (default config 'cpu'); model: the GLM-5 / 8xH200 cost model")
     p.add_argument("--config", default=None, help="sweep config name (configs/sweeps) or YAML path")
-    p.add_argument("--out", type=options.writable_dir, default=Path("out/sweep"),
-                   help="folder for points.jsonl, table.md, throughput.png (default out/sweep; checked before the run)")
+    p.add_argument("--out", type=options.writable_dir, default=None,
+                   help="folder for points.jsonl, table.md, throughput.png (default out/sweep/<config>-<engine>, one "
+                        "per config and engine; checked before the run)")
+    p.add_argument("--force", action="store_true",
+                   help="replace the results already in --out (without it a sweep never overwrites earlier results)")
     p.add_argument("--map", default=None,
                    help="also a gain map over length x this axis: 'sessions=8,16,32,64,128' or "
                         "'host_gb=64,256,1024' (model engine); writes gain_map.png and gain_map.md")
@@ -26,7 +30,7 @@ def add_parser(sub: argparse._SubParsersAction, int_at_least) -> None:
 def run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    from layersplit.api import sweep
+    from layersplit.api import check_out, sweep
     from layersplit.serving.sweep import modes_of
     from layersplit.serving.sweep_config import load_sweep
 
@@ -36,17 +40,21 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         raise ValueError(f"--config: {exc}") from None
     axis = _parse_map(args.map) if args.map else None
-    out = args.out
-    start = time.perf_counter()
-    with tqdm(total=len(modes_of(cfg)) * len(cfg.lengths), unit="point", leave=False) as bar:
-        points = sweep(name, engine=args.engine, out=out, progress=bar.update)  # points.jsonl grows per length
     if args.engine:
         cfg = replace(cfg, engine=args.engine)
+    out = args.out or Path("out/sweep") / f"{Path(name).stem}-{cfg.engine}"
+    try:
+        check_out(out, args.force)
+    except ValueError as exc:
+        raise ValueError(f"--out: {exc}") from None
+    start = time.perf_counter()
+    with tqdm(total=len(modes_of(cfg)) * len(cfg.lengths), unit="point", leave=False) as bar:
+        points = sweep(name, engine=args.engine, out=out, progress=bar.update, force=args.force)  # grows per length
     del points  # written to --out; printed from there
     paths = {"jsonl": out / "points.jsonl", "table": out / "table.md", "plot": out / "throughput.png"}
     print(paths["table"].read_text())  # the table (model engine: + sensitivity and calibration)
     if cfg.engine == "real":  # beside the CPU table: what the same serving loop means for GLM-5 on 8 x H200
-        sweep("glm5-h200", engine="model", out=out / "model")
+        sweep("glm5-h200", engine="model", out=out / "model", force=True)  # part of this run's folder
         paths["model_table"] = out / "model" / "table.md"
         print("Beside it, **modelled** (not measured): GLM-5 on 8 x H200 with every peer, from the cost model "
               "(`layersplit sweep --engine model`).\n")
@@ -69,6 +77,8 @@ def _parse_map(text: str) -> tuple[str, list[float]]:
         parsed = [float(v) for v in values.split(",")]
     except ValueError:
         raise ValueError(f"--map: expected numbers after '{axis}=', got {values!r}") from None
-    if any(v <= 0 for v in parsed):
-        raise ValueError(f"--map: expected positive values, got {values!r}")
+    bad = [v for v in parsed if not math.isfinite(v) or v <= 0 or (axis == "sessions" and v != int(v))]
+    if bad:
+        want = "whole numbers >= 1" if axis == "sessions" else "finite numbers > 0"
+        raise ValueError(f"--map: expected {axis} values that are {want}, got {values!r}")
     return axis, parsed

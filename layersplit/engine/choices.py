@@ -7,3 +7,4 @@ STRATEGIES = ("contiguous", "round-robin")  # layer ownership (:mod:`layersplit.
 # CP comm schedule (:mod:`layersplit.engine.engine`): the KV broadcast on its own stream and communicator
 # (``overlapped``) or every collective on one FIFO stream (``legacy``, the old order)
 SCHEDULES = ("overlapped", "legacy")
+ENGINE_KV_DTYPES = ("bf16",)  # KV dtypes the CP engine's sparse attention reads (fp8 layer split: the SGLang plug-in)

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from lsconfig.config_io import ConfigError, read_yaml
-from layersplit.engine.choices import STRATEGIES
+from layersplit.engine.choices import ENGINE_KV_DTYPES, STRATEGIES
 from layersplit.plan.capacity import MODEL_OWNERSHIPS
 from layersplit.plan.config import _build, configs_root, load_hardware, load_model
 
@@ -59,7 +59,9 @@ def load_sweep(name_or_path: str | Path) -> SweepConfig:
               ("new_fraction", 0 < cfg.new_fraction <= 1, "a number in (0, 1]"),
               ("scale", 0 < cfg.scale <= 1, "a number in (0, 1]"), ("sessions", cfg.sessions >= 1, ">= 1"),
               ("requests", cfg.requests >= 1, ">= 1"), ("repeats", cfg.repeats >= 1, ">= 1"),
-              ("kv_dtype", cfg.kv_dtype in ("bf16", "fp8"), "bf16 or fp8"),
+              ("kv_dtype", cfg.kv_dtype in (("bf16", "fp8") if cfg.engine == "model" else ENGINE_KV_DTYPES),
+               "bf16 or fp8" if cfg.engine == "model" else
+               f"one of {ENGINE_KV_DTYPES} for the measured engine (its sparse attention reads bf16 rows)"),
               ("max_batch_tokens", cfg.max_batch_tokens >= 1, "an integer >= 1"),
               ("max_batch_context", cfg.max_batch_context >= 1, "an integer >= 1"),
               ("max_batch_requests", cfg.max_batch_requests >= 1, "an integer >= 1 (requests per batch)"),
