@@ -418,6 +418,8 @@ def _pool_worker(rank: int, port: int, unsafe: str, iterations: int, seed: int, 
             pool.register_layer_transfer_counter(counter)
         loader = _HostLoader(ref, pool, dm)
         pages = torch.tensor(sorted(set(PREFIX_PAGES + NEW_PAGES)))
+        prefix_pages = torch.tensor(sorted(set(PREFIX_PAGES) - set(NEW_PAGES)))
+        new_pages = torch.tensor(sorted(set(NEW_PAGES)))
         rows = (pages[:, None] * PAGE + torch.arange(PAGE)).flatten()
         stale = checked = 0
         san = sanitizer.enable() if sanitize else None
@@ -426,7 +428,9 @@ def _pool_worker(rank: int, port: int, unsafe: str, iterations: int, seed: int, 
                 want = forward_layers(ref, seed=seed * 100_003 + it)
             with published(world=2, group=dist.group.WORLD), _emulated_sglang(dm):
                 loader.reload(counter)  # the prefix comes back from host memory while the forward runs
-                pool.set_forward_pages(pages, new_pages=torch.tensor(NEW_PAGES))
+                # what the metadata hook passes (no host read of the ids: the validated
+                # set_forward_pages would read them on the host, which the sanitizer reports)
+                pool.set_batch_pages(prefix_pages, new_pages)
                 got = forward_layers(pool, seed=seed * 100_003 + it, launch=dm.launch)
                 dm.synchronize()
             for layer_id, ((index, kv), (ref_index, ref_kv)) in enumerate(zip(got, want)):

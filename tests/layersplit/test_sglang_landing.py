@@ -103,7 +103,7 @@ def _worker(rank: int, port: int, queue) -> None:
                 write_prefix(pool)
                 backend = SimpleNamespace(token_to_kv_pool=pool, req_to_token_pool=rtp, forward_metadata=md,
                                           dsa_prefill_impl="flashmla_sparse")
-                batch_hook.before_init_forward_metadata(backend, fb)
+                batch_hook.after_init_forward_metadata(None, backend, fb)
                 out[mode] = _model_forward(pool, backend, fb, seed=9)
                 assert backend.forward_metadata is md  # every swap put the pool-address tables back
             out[mode + "_scratch"] = pool.kv_scratch_bytes()
@@ -165,35 +165,27 @@ def test_pool_allocates_what_the_plan_counts(monkeypatch):
     assert pool.get_kv_size_bytes() == owned * (SIZE + PAGE) * (576 * 2 + 132)
 
 
-def test_uncovered_kernel_falls_back_to_the_pool_sized_landing_with_its_reason(caplog):
+def test_uncovered_kernel_never_allocates_in_a_forward(monkeypatch):
+    """A forward on a kernel the remap does not cover: a ``batch`` pool refuses it (the start-up plan
+    would have chosen ``pool`` landing for that flag) without allocating; a ``pool`` pool, whose
+    landing layer was allocated at start-up, serves it."""
     rtp, fb, md = _batch()
-    batch_hook._logged.clear()
-    caplog.set_level(logging.INFO, logger=batch_hook.__name__)
     with published(world=2):
         pool = make_pool_class()(SIZE, **dsa_pool_kwargs(), layer_shard_rank=0, layer_shard_size=2)
         backend = SimpleNamespace(token_to_kv_pool=pool, req_to_token_pool=rtp, forward_metadata=md,
                                   dsa_prefill_impl="trtllm")
-        batch_hook.before_init_forward_metadata(backend, fb)
-        assert pool.landing_now == "pool" and pool.remote_kv_buffer is not None
-        assert any("'trtllm' is not covered" in r.getMessage() for r in caplog.records)
-        assert not pool.reads_remapped(4)  # attention keeps the pool-address tables
+        with pytest.raises(RuntimeError, match="'trtllm' is not covered.*did not allocate"):
+            batch_hook.after_init_forward_metadata(None, backend, fb)
+        assert pool.remote_kv_buffer is None and pool.index_key_cache.remote_buffer is None
         backend.dsa_prefill_impl = "flashmla_kv"  # SGLang's Hopper default with fp8 KV: covered
-        batch_hook.before_init_forward_metadata(backend, fb)
+        batch_hook.after_init_forward_metadata(None, backend, fb)
         assert pool.landing_now == "batch" and pool.reads_remapped(4) and not pool.reads_remapped(0)
-    backend.hisparse_coordinator = object()
+        monkeypatch.setenv("LAYERSPLIT_SGLANG_LANDING", "pool")
+        pooled = make_pool_class()(SIZE, **dsa_pool_kwargs(), layer_shard_rank=0, layer_shard_size=2)
+        landing_layer = pooled.remote_kv_buffer
+        backend.token_to_kv_pool, backend.dsa_prefill_impl = pooled, "trtllm"
+        batch_hook.after_init_forward_metadata(None, backend, fb)
+        assert pooled.landing_now == "pool" and pooled.remote_kv_buffer is landing_layer
+        assert not pooled.reads_remapped(4)  # attention keeps the pool-address tables
+    backend.dsa_prefill_impl, backend.hisparse_coordinator = "flashmla_kv", object()
     assert "HiSparse" in landing.unsupported_reason(backend, fb)
-
-
-def test_sizing_hook_drops_upstreams_scratch_layer(monkeypatch):
-    """SGLang charges ceil(L / N) + 1 layers a token under layer split; with batch landing the plug-in
-    pool has no pool-sized scratch layer, so its hook charges ceil(L / N)."""
-    import inspect
-
-    from sglang.srt.layers.cp import utils
-
-    assert str(inspect.signature(utils.get_glm_dsa_layer_split_effective_num_layers)) == landing.SIZING_TARGET_SIGNATURE
-    upstream = lambda runner, layers: -(-layers // 8) + 1  # noqa: E731 (what upstream returns at CP8)
-    assert landing.around_effective_num_layers(upstream, None, 78) == 10
-    monkeypatch.setenv("LAYERSPLIT_SGLANG_LANDING", "pool")
-    assert landing.around_effective_num_layers(upstream, None, 78) == 11
-    assert landing.around_effective_num_layers(lambda runner, layers: layers, None, 78) == 78  # split off

@@ -28,11 +28,11 @@ def value(text: str, name: str, label: str) -> float:
 
 def test_exposition_counts_what_the_pool_did(monkeypatch):
     """One forward on rank 1 of 2 (the collective left out: one process stands for both ranks), with
-    SGLang's load counter replaced by ours: bytes by part, waits by kind, a staging growth, and the
-    tokens held against upstream's layout."""
-    monkeypatch.setenv("LAYERSPLIT_SGLANG_SCRATCH_TOKENS", "128")  # two pages: the batch's four outgrow it
+    SGLang's load counter replaced by ours: bytes by part, waits by kind, an admission deferral, and
+    the tokens held against upstream's layout."""
     from layersplit.sglang_plugin import metrics
 
+    monkeypatch.setenv("LAYERSPLIT_SGLANG_SCRATCH_TOKENS", "256")  # the batch's four pages, not the whole pool
     fresh = PoolMetrics()
     monkeypatch.setattr(metrics, "_shared", fresh)
     with published(world=2):
@@ -44,13 +44,24 @@ def test_exposition_counts_what_the_pool_did(monkeypatch):
         pool.register_layer_transfer_counter(counter)
         pool.set_forward_pages(torch.tensor(PREFIX_PAGES + NEW_PAGES), new_pages=torch.tensor(NEW_PAGES))
         forward_layers(pool, seed=1)
+    from sglang.srt.managers.schedule_policy import AddReqResult
+    from types import SimpleNamespace as NS
+
+    from layersplit.sglang_plugin import sharing, startup
+
+    startup.publish(startup.Plan("batch", (), 2, PAGE, 576 * 2, PAGE * 132))
+    try:  # a second request of 2 pages beside one of 2 outgrows a 2-page slot: held for the next batch
+        req = NS(rid="b", last_node=None, prefix_len=0, full_untruncated_fill_ids=[0] * PAGE)
+        adder = NS(can_run_list=[NS(rid="a", last_node=None, prefix_len=0, full_untruncated_fill_ids=[0] * PAGE)])
+        assert sharing.around_add_one_req(None, adder, req, False, None) == AddReqResult.OTHER
+    finally:
+        startup.forget()
     text = fresh.to_prometheus()
     pages = len(set(PREFIX_PAGES + NEW_PAGES))
     assert value(text, "layersplit_broadcast_bytes_total", "kv") == LAYERS * pages * PAGE * 576 * 2
     assert value(text, "layersplit_broadcast_bytes_total", "index_prefix") == LAYERS * 2 * PAGE * 132
     assert value(text, "layersplit_broadcast_bytes_total", "index_new") == LAYERS * 2 * PAGE * 132
-    assert value(text, "layersplit_staging_growth_events_total", "kv") == 2  # both slots grew once
-    assert value(text, "layersplit_staging_growth_events_total", "pool_landing") == 0
+    assert value(text, "layersplit_admission_deferrals_total", "slot") == 1
     assert value(text, "layersplit_forward_waits_total", "kv_ready") >= LAYERS  # attention: whole layer
     assert value(text, "layersplit_forward_waits_total", "index_ready") >= LAYERS  # indexer: its keys
     assert value(text, "layersplit_forward_wait_seconds_total", "kv_ready") >= 0

@@ -89,9 +89,13 @@ def test_staging_is_batch_sized_and_double_buffered(monkeypatch):
     assert [s.shape[0] for s in pool._index.buffers] == [2, 2]  # index pages of 128 tokens
     monkeypatch.setenv("LAYERSPLIT_SGLANG_LANDING", "pool")
     assert make_pool(0).remote_kv_buffer.shape[0] == SIZE + PAGE  # upstream's landing buffer, unchanged
+    with pytest.raises(RuntimeError, match="exceeds the staging slot"):  # sized at start-up, never grown
+        pool.set_forward_pages(torch.tensor([7, 1, 3, 1]))
+    assert [s.shape[0] for s in pool.kv_staging] == [128, 128]
+    monkeypatch.setenv("LAYERSPLIT_SGLANG_SCRATCH_TOKENS", "192")
+    pool = make_pool(0)
     pool.set_forward_pages(torch.tensor([7, 1, 3, 1]))
     assert pool.forward_pages.tolist() == [1, 3, 7]
-    assert [s.shape[0] for s in pool.kv_staging] == [192, 192]  # a larger batch grows them
     with pytest.raises(ValueError, match=r"set_forward_pages: pages: expected page ids in \[0, 9\), got \[1, 9\]"):
         pool.set_forward_pages(torch.tensor([1, 9]))
     with pytest.raises(ValueError, match=r"expected new_pages to be a subset of pages, got \[4\] outside it"):
@@ -205,7 +209,7 @@ def run_broadcast(mode: str, landing: str = "batch", kv_dtype: str = "bf16") -> 
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("mode,landing", [("pages", "batch"), ("pages", "pool"), ("whole", "batch")])
+@pytest.mark.parametrize("mode,landing", [("pages", "batch"), ("pages", "pool"), ("whole", "pool")])
 def test_non_owned_layers_after_gloo_broadcast(mode, landing):
     """Two CP ranks (processes, gloo): every layer each rank reads, owned or broadcast, equals a
     single-process upstream pool on the batch's pages (batch landing: where the remapped tables
@@ -303,11 +307,12 @@ def test_entry_point_registers_and_unregisters(monkeypatch, how):
 
 
 def test_forward_pages_hook_reads_the_batch_like_the_backend():
-    """The BEFORE hook on the DSA backend's init_forward_metadata hands the pool the pages of
+    """The AFTER hook on the DSA backend's init_forward_metadata hands the pool the pages of
     tokens [0, seq_len) of each request in the batch (SGLang's own ReqToTokenPool), split at each
-    request's cached prefix, sized from the host lists SGLang keeps (seq_lens_cpu,
-    extend_prefix_lens_cpu)."""
-    from layersplit.sglang_plugin.batch import before_init_forward_metadata
+    request's cached prefix, sized from the host lists SGLang keeps (seq_lens_cpu, or prefix +
+    extend lengths; extend_prefix_lens_cpu), a prefix page shared with an earlier request once."""
+    from layersplit.sglang_plugin import sharing
+    from layersplit.sglang_plugin.batch import after_init_forward_metadata
 
     req_to_token_pool = __import__("sglang.srt.mem_cache.memory_pool", fromlist=["x"]).ReqToTokenPool(
         size=4, max_context_len=300, device="cpu", enable_memory_saver=False)
@@ -317,22 +322,36 @@ def test_forward_pages_hook_reads_the_batch_like_the_backend():
     table[0, :PAGE] = torch.arange(3 * PAGE, 4 * PAGE)  # the same cached page 3 (radix cache)
     table[0, PAGE:70] = torch.arange(7 * PAGE, 7 * PAGE + 6)  # then page 7
     pool = make_pool(0)
-    backend = SimpleNamespace(token_to_kv_pool=pool, req_to_token_pool=req_to_token_pool)
+    backend = SimpleNamespace(token_to_kv_pool=pool, req_to_token_pool=req_to_token_pool,
+                              dsa_prefill_impl="flashmla_sparse")
     batch = SimpleNamespace(req_pool_indices=torch.tensor([2, 0]), seq_lens=torch.tensor([130, 70]),
-                            seq_lens_cpu=torch.tensor([130, 70]))
-    assert before_init_forward_metadata(backend, batch) is None
+                            seq_lens_cpu=torch.tensor([130, 70]), rids=["r2", "r0"])
+    assert after_init_forward_metadata(None, backend, batch) is None
     assert pool.forward_pages.tolist() == [3, 4, 5, 3, 7]  # no prefix lengths: every page counts as new
     assert pool._prefix_pages.tolist() == []
     batch.extend_prefix_lens_cpu = [120, 64]  # request 2 continues inside page 4
-    before_init_forward_metadata(backend, batch)
+    after_init_forward_metadata(None, backend, batch)
     assert pool._prefix_pages.tolist() == [3, 3] and pool._new_pages.tolist() == [4, 5, 7]
-    assert pool.forward_pages.tolist() == [3, 3, 4, 5, 7]  # slot order: prefix pages, then new pages
-    batch.seq_lens_cpu = None  # reading the device seq_lens would stall the host: upstream's path
-    before_init_forward_metadata(backend, batch)
+    assert pool.forward_pages.tolist() == [3, 3, 4, 5, 7]  # nothing recorded: the shared page twice
+    root = SimpleNamespace(parent=None, key=[])
+    page3 = SimpleNamespace(parent=root, key=[0] * PAGE)  # the radix node both requests matched
+    own = SimpleNamespace(parent=page3, key=[0] * PAGE)
+    sharing.record([SimpleNamespace(rid="r2", last_node=own, prefix_len=120),
+                    SimpleNamespace(rid="r0", last_node=page3, prefix_len=64)], PAGE)
+    try:
+        after_init_forward_metadata(None, backend, batch)
+    finally:
+        sharing.forget()
+    assert pool._prefix_pages.tolist() == [3] and pool.forward_pages.tolist() == [3, 4, 5, 7]  # page 3 once
+    batch.seq_lens_cpu, batch.extend_seq_lens_cpu = None, [10, 6]  # seq_len = prefix + extend, on the host
+    after_init_forward_metadata(None, backend, batch)
+    assert pool.forward_pages.tolist() == [3, 3, 4, 5, 7]
+    batch.extend_seq_lens_cpu = None  # no host lengths at all (not an extend batch): upstream's path
+    after_init_forward_metadata(None, backend, batch)
     assert pool.forward_pages is None
     other = SimpleNamespace(token_to_kv_pool=compat.resolve("dsa_pool")(SIZE, **pool_kwargs()),
                             req_to_token_pool=req_to_token_pool)
-    assert before_init_forward_metadata(other, batch) is None  # any other pool: left alone
+    assert after_init_forward_metadata(None, other, batch) is None  # any other pool: left alone
 
 
 def test_entry_point_is_declared():
@@ -510,9 +529,10 @@ def test_engine_defers_to_upstream_without_indexer_transfers():
     assert calls == [1, 1]
 
 
-def test_plugin_indexer_reads_wait_only_for_indexer_keys():
+def test_plugin_indexer_reads_wait_only_for_indexer_keys(monkeypatch):
     """The plug-in pool's indexer-key read waits the indexer-ready event of its layer, not the whole
     layer; a latent-KV read waits the whole layer."""
+    monkeypatch.setenv("LAYERSPLIT_SGLANG_LANDING", "pool")  # the whole-buffer read needs the landing layer
     waits = []
     counter = SimpleNamespace(wait_until=lambda i: waits.append(("layer", i)),
                               wait_index_until=lambda i: waits.append(("index", i)))
