@@ -246,3 +246,92 @@ def test_batch_beyond_the_slot_is_an_error_not_an_allocation():
     with pytest.raises(RuntimeError, match="exceeds the staging slot"):
         pool.set_batch_pages(torch.tensor([0, 1]), torch.tensor([2]))
     assert pool.staging_bytes() == before
+
+
+# -- no allocation after start-up, every trigger ---------------------------------------------------
+class BufferAllocations:
+    """Counts factory allocations (``empty``/``zeros``/``full`` and their ``_like``/``new_`` forms) of at
+    least ``min_bytes`` while active: the pool allocates its buffers so; a forward's temporaries are
+    smaller or made by other ops."""
+
+    FACTORIES = ("empty", "empty_strided", "zeros", "full", "empty_like", "zeros_like", "new_empty", "new_zeros")
+
+    def __init__(self, min_bytes: int) -> None:
+        self.min_bytes, self.seen = min_bytes, []
+
+    def __enter__(self):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        counter = self
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                if func.overloadpacket.__name__ in counter.FACTORIES and isinstance(out, torch.Tensor) \
+                        and out.numel() * out.element_size() >= counter.min_bytes:
+                    counter.seen.append((func.overloadpacket.__name__, tuple(out.shape)))
+                return out
+
+        self._mode = Mode()
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._mode.__exit__(*exc)
+
+
+def _backend_and_batch(pool, impl: str):
+    from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
+
+    rtp = ReqToTokenPool(size=2, max_context_len=400, device="cpu", enable_memory_saver=False)
+    rtp.req_to_token[0, :4 * PAGE] = torch.arange(PAGE, 5 * PAGE)  # pages 1..4 (prefix 1, 2; new 3, 4)
+    fb = SimpleNamespace(req_pool_indices=torch.tensor([0]), seq_lens_cpu=torch.tensor([4 * PAGE - 5]),
+                         extend_prefix_lens_cpu=[2 * PAGE], extend_seq_lens_cpu=[2 * PAGE - 5], rids=["a"],
+                         forward_mode=None)
+    return SimpleNamespace(token_to_kv_pool=pool, req_to_token_pool=rtp, dsa_prefill_impl=impl), fb
+
+
+def _forward(pool) -> None:
+    """Every layer in the model's order (index store + read, KV write + read, prefetch), the
+    broadcast left out (one process stands for both ranks)."""
+    from layersplit.sglang_plugin.stress import forward_layers
+
+    pool._broadcast_tensor_from_owner = lambda tensor, *a, **k: tensor
+    forward_layers(pool, seed=1)
+
+
+@pytest.mark.parametrize("landing", ["batch", "pool"])
+def test_no_allocation_after_startup_on_any_trigger(landing):
+    """Built at start-up, the pool then serves (or refuses with a clear error) every trigger that
+    used to allocate at run time: the kernel decision (``flashmla_auto``), a batch without
+    ``seq_lens_cpu``, an uncovered kernel (``trtllm``), a CUDA-graph replay, a batch beyond the
+    slot. No buffer of a page's rows or more is allocated after start-up."""
+    with published(world=2):
+        pool = make_pool(plan(landing, slot_pages=4))
+    backend, fb = _backend_and_batch(pool, "flashmla_sparse")
+    outcomes = {}
+    with published(world=2), BufferAllocations(min_bytes=PAGE * ROW // 2) as allocs:
+        for trigger in ("resolved-kernel", "no-seq_lens_cpu", "trtllm", "graph-replay", "over-slot"):
+            try:
+                if trigger == "no-seq_lens_cpu":
+                    fb.seq_lens_cpu = None
+                if trigger == "trtllm":
+                    backend.dsa_prefill_impl = "trtllm"
+                if trigger == "graph-replay":
+                    batch_hook.before_out_graph_metadata(backend, fb, in_capture=False)
+                elif trigger == "over-slot":
+                    pool.set_batch_pages(torch.arange(1, 5), torch.tensor([5]))
+                else:
+                    batch_hook.after_init_forward_metadata(None, backend, fb)
+                _forward(pool)
+                outcomes[trigger] = "served"
+            except RuntimeError as e:
+                outcomes[trigger] = "refused: " + str(e).split(":")[1].strip()[:40]
+    assert allocs.seen == [], allocs.seen
+    assert outcomes["resolved-kernel"] == outcomes["no-seq_lens_cpu"] == "served"
+    assert outcomes["over-slot"].startswith("refused")
+    expect = "served" if landing == "pool" else "refused"
+    assert outcomes["trtllm"].startswith(expect) and outcomes["graph-replay"].startswith(expect), outcomes
+    with BufferAllocations(min_bytes=PAGE * ROW // 2) as teeth:  # what the run-time fallback used to do
+        torch.empty((SIZE + PAGE, 1, 576), dtype=torch.bfloat16)
+    assert teeth.seen == [("empty", (SIZE + PAGE, 1, 576))]
