@@ -15,8 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lsconfig import envs, paths
-from lsconfig import config_io
+from lsconfig import config_io, envs, paths
 from lsconfig.config_io import ConfigError, build, check_field, read_yaml, require
 from dsa_kernels.layout import index_row_bytes, mla_row_bytes
 from layersplit.plan import model_json
@@ -216,13 +215,13 @@ def _resolve(kind: str, name_or_path: str | Path) -> Path:
             got = folder if path.is_dir() else "no such file"
             raise ConfigError(f"{path}: expected a {kind} config file, got {got}")
         return path
+    cached = model_json.hf_cache_config(str(name_or_path)) if kind == "model" and "/" in str(name_or_path) else None
+    if cached:
+        return cached
     folder = configs_root() / _FOLDERS[kind]
     if not folder.is_dir():
         raise ConfigError(f"{kind} '{name_or_path}': expected a folder {folder} of {kind} configs, got no such folder")
     path = folder / f"{name_or_path}.yaml"
-    cached = model_json.hf_cache_config(str(name_or_path)) if kind == "model" and "/" in str(name_or_path) else None
-    if cached:
-        return cached
     if not path.is_file():
         known = sorted(p.stem for p in folder.glob("*.yaml"))
         also = (", a config.json or model folder, or a model id in the local Hugging Face cache "
