@@ -1,6 +1,6 @@
 """FP8 KV with layer split: the plug-in pool in SGLang's own fp8 DSA layout (``dsa_kv_cache_store_fp8``:
-512 e4m3 + 4 fp32 scales + 64 bf16 rope = 656 B a token), which upstream's layer split refuses; against
-the real sglang package, on CPU (rank processes over gloo)."""
+512 e4m3 + 4 fp32 scales + 64 bf16 rope = 656 B a token), as upstream's layer split also serves it
+(test_sglang_upstream_fp8.py); against the real sglang package, on CPU (rank processes over gloo)."""
 
 from __future__ import annotations
 
