@@ -22,7 +22,7 @@ class CheckBounds:
     may fire per room; channel_capacity: messages in flight per endpoint pair
     (executions beyond it are not explored). max_states / timeout_s stop the run early (``complete``
     is then false). ``legacy`` and ``guards_off``: the UNSAFE protocol variants (see ``pd.abort.guards``).
-    ``symmetry``: the symmetry reduction (off: the exhaustive cross-check)."""
+    ``symmetry`` / ``stale_events``: the reductions (both off: the exhaustive cross-check)."""
 
     prefill_ranks: int = 2
     requests: int = 2
@@ -39,6 +39,7 @@ class CheckBounds:
     guards_off: tuple[str, ...] = ()
     fault_kinds: tuple[str, ...] = FAULT_KINDS
     symmetry: bool = True  # merge states equal up to a renaming of prefill ranks and of request ids
+    stale_events: bool = True  # neither fire nor hash pending events that can change nothing (pd.abort.check.stale)
 
     def __post_init__(self) -> None:
         for name, low in (("prefill_ranks", 1), ("requests", 1), ("faults", 0), ("pages", 1), ("retries", 0),

@@ -27,8 +27,8 @@ _T0 = [0.0]  # the running check's start (for states/s)
 def run_check(bounds: CheckBounds, classes: set | None = None) -> dict:
     """Explore every interleaving within ``bounds``; returns the JSON-ready result (``violations`` empty
     when none was found; else ``counterexample`` holds the shortest trace, one label per step).
-    ``classes``: if given, filled with the symmetry class (``fingerprint(state, symmetry=True)``) of every
-    state explored — what the cross-check compares between a reduced and an unreduced run."""
+    ``classes``: if given, filled with the class of every state explored (its fingerprint under every
+    reduction) — what the cross-check compares between a reduced and an unreduced run."""
     start = _T0[0] = time.perf_counter()
     with guards_off(bounds.guards_off), _quiet():
         result = _bfs(bounds, start, classes)
@@ -38,11 +38,11 @@ def run_check(bounds: CheckBounds, classes: set | None = None) -> dict:
 
 def _bfs(bounds: CheckBounds, start: float, classes: set | None) -> dict:
     root = build_world(bounds)
-    hashed = partial(fingerprint, symmetry=bounds.symmetry)
+    hashed = partial(fingerprint, symmetry=bounds.symmetry, stale_events=bounds.stale_events)
     parents: dict[int, tuple[int | None, str | None]] = {hashed(root): (None, None)}
     frontier = [(hashed(root), pickle.dumps(root, pickle.HIGHEST_PROTOCOL))]
     if classes is not None:
-        classes.add(fingerprint(root, symmetry=True))
+        classes.add(fingerprint(root, symmetry=True, stale_events=True))
     stats = {"transitions": 0, "terminal_states": 0, "pruned_by_channel_capacity": 0, "frontier_sizes": []}
     depth, stopped = 0, None
     while frontier and stopped is None:
@@ -72,7 +72,7 @@ def _bfs(bounds: CheckBounds, start: float, classes: set | None) -> dict:
                     continue
                 parents[child_fp] = (fp, text)
                 if classes is not None:
-                    classes.add(fingerprint(child, symmetry=True))
+                    classes.add(fingerprint(child, symmetry=True, stale_events=True))
                 broken = violations(child)
                 if broken:
                     return _found(bounds, stats, parents, depth + 1, child_fp, None, broken)
@@ -125,7 +125,8 @@ def _result(bounds, stats, parents, depth, stopped, broken, counterexample) -> d
             "complete": stopped is None and not broken, "stopped": stopped,
             "violations": [b.split(":")[0] for b in broken], "counterexample": counterexample,
             "states_per_s": round(len(parents) / max(time.perf_counter() - _T0[0], 1e-9), 1),
-            "reductions": ["symmetry: prefill ranks x request ids"] if bounds.symmetry else [],
+            "reductions": ["symmetry: prefill ranks x request ids"] * bounds.symmetry
+                          + ["stale events neither fired nor hashed"] * bounds.stale_events,
             "note": "explicit-state model check: every interleaving of pd's own protocol code within the bounds"}
 
 

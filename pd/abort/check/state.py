@@ -16,6 +16,7 @@ import itertools
 from functools import partial
 
 from pd.abort.check.choice_channel import ChoiceChannel
+from pd.abort.check.stale import stale
 from pd.abort.cluster import PDCluster
 from pd.abort.decode_side import TRANSFERRING, WAITING, DecodeNode, DecodeRequest
 from pd.abort.messages import Abort, AbortAck, TransferRequest
@@ -74,6 +75,7 @@ class _Canon:
         self.ranks = ranks or tuple(range(n))
         self.order = sorted(range(n), key=self.ranks.__getitem__)  # old rank at each new position
         self.rids = rids
+        self.gone = False
         # past the re-send bound the count changes nothing but a (capped) delay, which orders nothing here:
         # without the cap a rank that never answers would make the state space infinite
         self.sends_bound = world.bounds.abort_sends
@@ -105,6 +107,8 @@ class _Canon:
         if key in self.names:
             return ("ref", self.names[key])
         self.names[key] = len(self.names)
+        if isinstance(o, DecodeRequest) and self.gone and self.world.cluster.decode.reqs.get(o.room) is not o:
+            return ("gone", self.rid(o.rid), o.room)  # released or lost: no handler reads it again
         if isinstance(o, DecodeRequest):
             return ("D", self.rid(o.rid), o.room, o.n_pages, _STATE.get(o.state, o.state), tuple(o.pages),
                     tuple(self.tag(t) for t in o.tags), o.epoch, self.per_rank(o.incarnations) if o.incarnations else (),
@@ -200,16 +204,19 @@ def symmetries(world) -> list[tuple[tuple[int, ...], tuple[int, ...] | None]]:
     return [(p, q) for p in ranks for q in rids]
 
 
-def fingerprint(world, symmetry: bool = False) -> int:
+def fingerprint(world, symmetry: bool = False, stale_events: bool = False) -> int:
     """A hash of ``world``'s canonical form (equal for states equal up to fresh names); with ``symmetry``,
-    the least over every renaming of ranks and request ids (equal for states equal up to those too)."""
+    the least over every renaming of ranks and request ids (equal for states equal up to those too); with
+    ``stale_events``, blind to pending events that can change nothing (see pd.abort.check.stale)."""
     if not symmetry:
-        return hash(canonical(world))
-    return min(hash(canonical(world, ranks, rids)) for ranks, rids in symmetries(world))
+        return hash(canonical(world, stale_events=stale_events))
+    return min(hash(canonical(world, ranks, rids, stale_events)) for ranks, rids in symmetries(world))
 
 
-def canonical(world, ranks: tuple[int, ...] | None = None, rids: tuple[int, ...] | None = None) -> tuple:
+def canonical(world, ranks: tuple[int, ...] | None = None, rids: tuple[int, ...] | None = None,
+              stale_events: bool = False) -> tuple:
     k, c = _Canon(world, ranks, rids), world.cluster
+    k.gone = stale_events  # hash a request decode no longer holds by its name only
     d = c.decode
     decode = (_pages(k, d.kv, d.kv.data, len(d.kv.overwrites), layers=True),
               tuple(k.obj(d.reqs[room]) for room in sorted(d.reqs)), tuple(k.obj(r) for r in d.queue), d._epoch,
@@ -232,7 +239,8 @@ def canonical(world, ranks: tuple[int, ...] | None = None, rids: tuple[int, ...]
     queues = sorted((k.pair(pair), q) for pair, q in world.channel.queues.items() if q)
     channel = (tuple((pair, tuple(k.msg(m) for m in q)) for pair, q in queues),
                tuple(sorted(((k.pair(pair), k.msg(m)) for pair, m in world.channel.late), key=repr)))
-    events = tuple(_event(k, e) for e in sorted(c.loop.events(), key=lambda e: _sort_key(k, e)))
+    pending = [e for e in c.loop.events() if not (stale_events and stale(c, e))]
+    events = tuple(_event(k, e) for e in sorted(pending, key=lambda e: _sort_key(k, e)))
     return (decode, prefills, engines, k.per_rank(c.registry._serving), k.per_rank(c.registry.revoked), channel,
             events, c.rooms, k.ranks_of(c.partitioned), c.stats["false_late_rejections"],
             tuple(sorted((k.rid(rid), n) for rid, n in c.attempts.items())),

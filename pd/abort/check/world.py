@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, replace
 from pd.abort.backoff import AbortBackoff
 from pd.abort.check.bounds import CheckBounds
 from pd.abort.check.choice_channel import ChoiceChannel
+from pd.abort.check.stale import stale
 from pd.abort.channel import ChannelFaults
 from pd.abort.cluster import PDCluster
 from pd.abort.decode_side import DecodeConfig, DecodeRequest
@@ -100,7 +101,9 @@ def build_world(bounds: CheckBounds) -> World:
 def enabled(w: World) -> list[tuple]:
     """Every action possible in ``w``: pending events and deliveries first (the owed ones), then
     faults and cancels while their budgets last."""
-    actions = [("event", e[1]) for e in w.cluster.loop.events() if not _poll_spent(w, e)]
+    stale_off = w.bounds.stale_events
+    actions = [("event", e[1]) for e in w.cluster.loop.events()
+               if not _poll_spent(w, e) and not (stale_off and stale(w.cluster, e))]
     actions += [("deliver", pair, 0) for pair, q in sorted(w.channel.queues.items()) if q]
     actions += [("late", i) for i in range(len(w.channel.late))]
     actions += [("heal", rank) for rank in sorted(w.cluster.partitioned)]
