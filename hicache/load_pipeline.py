@@ -23,7 +23,7 @@ in stress tests. Never set it in production.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from hicache.device_pool import DSADevicePool
 from hicache.host_pool import DSAHostPool
@@ -44,6 +44,7 @@ class LayerLoad:
     kv_ready: dict[int, Event]
     unsafe_skip: frozenset[str] = frozenset()
     bytes_copied: int = 0  # host -> device bytes moved so far (written by the load stream)
+    bytes_by_layer: dict[int, int] = field(default_factory=dict)  # the same, per layer (index keys + KV)
 
     def wait_indexer(self, layer: int, stream: Stream) -> None:
         """Make ``stream`` wait until ``layer``'s indexer keys are on the device."""
@@ -112,7 +113,9 @@ class LayerwiseLoader:
 
     def _copy(self, load: LayerLoad, ids: PageIds, layer: int, part: str):
         def run() -> None:
-            load.bytes_copied += copy_layer_part(self.host_pool, self.device_pool, ids, layer, part)
+            moved = copy_layer_part(self.host_pool, self.device_pool, ids, layer, part)
+            load.bytes_copied += moved
+            load.bytes_by_layer[layer] = load.bytes_by_layer.get(layer, 0) + moved
         return run
 
     def reclaim(self) -> int:

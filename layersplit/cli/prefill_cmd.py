@@ -32,6 +32,8 @@ def add_parser(sub: argparse._SubParsersAction, int_at_least) -> None:
     p.add_argument("--schedule", choices=SCHEDULES, default="overlapped",
                    help="overlapped (default): the KV broadcast on its own stream and communicator, under the "
                         "indexer; legacy: one FIFO comm stream (the KV broadcast delays the indexer's all-gather)")
+    p.add_argument("--host-tier", action="store_true", dest="host_tier",
+                   help="the cached prefixes sit in each rank's host tier and reload layer by layer (HiCache)")
     p.add_argument("--bcast-kv-delay-ms", type=options.number_in(0, 10_000), default=0.0, dest="bcast_kv_delay_ms",
                    help="stall every KV broadcast this long first, to see what the schedule hides (default 0)")
     p.add_argument("--trace", type=options.writable_file, default=None,
@@ -55,7 +57,8 @@ def _text(r: dict) -> str:
         ("broadcast per layer (rank 0)", (f"{sum(bcast.values()) / max(len(bcast), 1) / 2**20:,.3f} MiB on average "
                                           f"over {len(bcast)} layers") if bcast else "none"),
         ("max |deviation| vs reference", f"{r['max_abs_deviation_vs_reference']:.3g}"),
-        ("kernels / schedule", f"{r['kernel_backend']} / {r['schedule']}"),
+        ("kernels / schedule", f"{r['kernel_backend']} / {r['schedule']}"
+                               + (" / prefixes reloaded from the host tier" if r["host_tier"] else "")),
         ("indexer waits for KV bcast", f"{r['indexer_waits_for_kv_bcast']} non-owned indexer layers "
                                        "(happens-before order)"),
         ("broadcast waits per rank", ", ".join(f"r{i}: {w:,.2f} ms" for i, w in enumerate(r["bcast_wait_ms_per_rank"]))),
@@ -83,7 +86,7 @@ def run_prefill(args: argparse.Namespace) -> int:
         result = prefill(model, cp=args.cp, mode=args.mode, context_len=args.context_len, hit=args.hit,
                          requests=args.requests, seed=args.seed, ownership=args.ownership, split=args.split,
                          trace=bool(args.trace), progress=options.stage_printer("prefill"),
-                         schedule=args.schedule, bcast_kv_delay_ms=args.bcast_kv_delay_ms)
+                         schedule=args.schedule, bcast_kv_delay_ms=args.bcast_kv_delay_ms, host_tier=args.host_tier)
     except ValueError as exc:  # the library names its argument; the user typed the flag
         raise ValueError(options.as_flag(str(exc))) from None
     report = result.as_dict()

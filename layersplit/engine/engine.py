@@ -76,7 +76,7 @@ UNSAFE_EDGES = ("compute_wait", "record_stream", "slot_release", "poison_fence")
 # ``overlapped``: the KV broadcast on its own stream and communicator (only sparse attention waits for
 # it); ``legacy``: every collective on one FIFO stream, where the all-gather the indexer waits for
 # queues behind the KV broadcast (kept to show the difference: the overlap test's teeth, the benchmark)
-from layersplit.engine.choices import SCHEDULES  # noqa: E402 - re-exported
+from layersplit.engine.choices import ENGINE_KV_DTYPES, SCHEDULES  # noqa: E402 - re-exported
 
 
 @dataclass(frozen=True)
@@ -99,6 +99,14 @@ class EngineConfig:
     unsafe_skip_edges: frozenset[str] = frozenset()
     trace: bool = True
 
+    def __post_init__(self) -> None:
+        # checked where the config is made (the parent), before any rank process starts
+        if self.kv_dtype not in ENGINE_KV_DTYPES:
+            raise ValueError(f"kv_dtype: expected one of {ENGINE_KV_DTYPES} for the CP engine (its sparse attention "
+                             f"reads bf16 rows; fp8 KV with layer split is the SGLang plug-in's), got {self.kv_dtype!r}")
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"schedule: expected one of {SCHEDULES}, got {self.schedule!r}")
+
 
 @dataclass
 class RankResult:
@@ -116,6 +124,9 @@ class RankResult:
     # non-owned layer -> {"indexer": .., "attention": ..}: whether that op happens after the layer's KV
     # broadcast completed, in the issued program's happens-before order (same on every run and device)
     kv_order: dict[int, dict[str, bool]] = field(default_factory=dict)
+    # ``reload_bytes`` per layer, in layer order: how much this rank's one PCIe link must move before each
+    # layer's turn is the running sum (contiguous ownership front-loads it; round-robin spreads it)
+    reload_bytes_by_layer: dict[int, int] = field(default_factory=dict)
 
     def host(self) -> "RankResult":
         """This result with its tensors copied to the host (after the forward, outside it)."""
@@ -147,8 +158,6 @@ def fill_prefix(buffers, layers, plan: BatchPlan, seed: int, only: list[int] | N
 
 class RankEngine:
     def __init__(self, model_cfg: ModelConfig, cfg: EngineConfig, rank: int, runtime: Runtime) -> None:
-        if cfg.schedule not in SCHEDULES:
-            raise ValueError(f"schedule: expected one of {SCHEDULES}, got {cfg.schedule!r}")
         # every stream op, record and wait also feeds the happens-before order (``RankResult.kv_order``)
         self.cfg, self.rank, self.rt = cfg, rank, HBRuntime(runtime)
         self.model = TinyDSA(model_cfg, cfg.weight_seed, runtime.device)
@@ -352,7 +361,7 @@ class RankEngine:
         # device tensors: the caller copies them to the host after the forward (the launcher does)
         return RankResult(self.rank, h, loc, seconds, self.pool.kv_bytes(), dict(self._bcast_bytes),
                           list(self.tracer.events), load.bytes_copied if load else 0, waits,
-                          kv_order=self._kv_order())
+                          kv_order=self._kv_order(), reload_bytes_by_layer=dict(load.bytes_by_layer) if load else {})
 
     def _kv_order(self) -> dict[int, dict[str, bool]]:
         """Per non-owned layer: does its indexer / sparse attention happen after its KV broadcast

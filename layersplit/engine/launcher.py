@@ -1,25 +1,24 @@
 """Run the CP prefill engine in N real processes (gloo on CPU, NCCL on CUDA) or in-process.
 
-``run_cp`` spawns one process per rank, runs every scenario in order on all ranks, and returns the
+``run_cp`` starts one process per rank (:mod:`layersplit.engine.rank_worker`), runs every scenario in order on all ranks, and returns the
 per-scenario results (hidden states reassembled in global new-token order). ``run_reference`` is
 the single-process path (one rank, redundant pool, no communication) the CP runs are checked against.
 """
 
 from __future__ import annotations
 
-import io
+import functools
 import os
-import queue as queue_mod
 import signal
 import socket
+import subprocess
 import sys
-import threading
+import tempfile
 import time
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from hicache import sanitizer
 from hicache.streams import get_runtime
@@ -81,41 +80,28 @@ def _run_rank(model: ModelConfig, scenarios: list[Scenario], rank: int) -> list[
     return out
 
 
-def _die_with_parent() -> None:
-    """Linux: the kernel sends this process SIGKILL when the parent that spawned it exits, however it
-    exits (SIGTERM, SIGKILL, a crash), so no rank is left computing as an orphan."""
-    if sys.platform != "linux":
-        return
-    try:
+def _child_setup(parent: int) -> None:
+    """In each rank process before it execs: SIGINT ignored (a terminal's Ctrl-C reaches the whole
+    process group; the parent alone handles it and ends the ranks), every other signal at its default
+    (whatever the parent inherited), and, on Linux, SIGKILL from the kernel when the parent dies, however
+    it dies, so no rank is left computing as an orphan."""
+    for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
+        signal.signal(sig, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if sys.platform == "linux":
         import ctypes
 
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:
-        return
+        if os.getppid() != parent:  # the parent died before the death signal was armed
+            os._exit(1)
 
 
-def _worker(rank: int, world: int, port: int, model: ModelConfig, scenarios: list[Scenario], queue,
-            parent: int | None = None) -> None:
-    _die_with_parent()
-    if parent is not None and os.getppid() != parent:  # the parent died before the death signal was armed
-        os._exit(1)
-    torch.set_num_threads(1)  # N ranks share the machine's cores
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # the ranks talk over loopback
-    backend = cp_backend()
-    if torch.cuda.is_available():  # ranks share GPUs round-robin (one GPU: gloo, both ranks on it)
-        torch.cuda.set_device(rank % torch.cuda.device_count())
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    try:
-        # plain bytes: tensors sent through a queue as shared memory die with this process
-        buf = io.BytesIO()
-        torch.save(_run_rank(model, scenarios, rank), buf)
-        queue.put((rank, buf.getvalue(), None))
-    except Exception:  # report instead of hanging the parent
-        import traceback
-        queue.put((rank, None, traceback.format_exc()))
-        raise
-    finally:
-        dist.destroy_process_group()
+def _child_env() -> dict[str, str]:
+    """The parent's environment, with this package's root first on ``PYTHONPATH``: a rank imports the
+    same ``layersplit`` as the parent, however the parent found it."""
+    root = str(Path(__file__).resolve().parents[2])
+    path = os.environ.get("PYTHONPATH")
+    return os.environ | {"PYTHONPATH": root + (os.pathsep + path if path else "")}
 
 
 def cp_backend() -> str:
@@ -126,8 +112,45 @@ def cp_backend() -> str:
     return choice if choice != "auto" else "nccl" if torch.cuda.is_available() else "gloo"
 
 
-def run_cp(model: ModelConfig, scenarios: list[Scenario], cp: int, timeout_s: float = 600) -> list[CPResult]:
-    """Run ``scenarios`` (all with ``cfg.cp == cp``) on ``cp`` spawned rank processes."""
+def _failure(rank: int, proc: subprocess.Popen, log: Path) -> RuntimeError:
+    tail = log.read_text(errors="replace")[-2000:].strip() if log.exists() else ""
+    return RuntimeError(f"rank {rank} exited with code {proc.returncode} before reporting"
+                        + (f":\n{tail}" if tail else ""))
+
+
+def _collect(procs: list[subprocess.Popen], out: Path, timeout_s: float, on_ready) -> dict[int, list]:
+    """Every rank's results; a rank that failed or died, or a run past ``timeout_s``, raises."""
+    by_rank: dict[int, list] = {}
+    ready: set[int] = set()
+    deadline = time.monotonic() + timeout_s
+    while len(by_rank) < len(procs):
+        for r, proc in enumerate(procs):
+            if r in by_rank:
+                continue
+            if r not in ready and (out / f"rank{r}.ready").exists():
+                ready.add(r)
+                if len(ready) == len(procs) and on_ready is not None:
+                    on_ready()
+            result = out / f"rank{r}.pt"
+            if result.exists():
+                payload = torch.load(result, weights_only=False)
+                if "error" in payload:
+                    raise RuntimeError(f"rank {r} failed:\n{payload['error']}")
+                by_rank[r] = payload["results"]
+            elif proc.poll() is not None:  # died without reporting (killed, out of memory)
+                raise _failure(r, proc, out / f"rank{r}.log")
+        if len(by_rank) < len(procs):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"CP ranks: no result within {timeout_s:g} s")
+            time.sleep(0.05)
+    return by_rank
+
+
+def run_cp(model: ModelConfig, scenarios: list[Scenario], cp: int, timeout_s: float = 600,
+           on_ready=None) -> list[CPResult]:
+    """Run ``scenarios`` (all with ``cfg.cp == cp``) on ``cp`` rank processes, each a fresh
+    ``python -m layersplit.engine.rank_worker`` (never a re-import of the caller's ``__main__``).
+    ``on_ready()``: called once every rank has joined the process group."""
     for sc in scenarios:
         if sc.cfg.cp != cp:
             raise ValueError(f"scenario {sc.name}: expected cfg.cp == {cp}, got {sc.cfg.cp}")
@@ -135,45 +158,33 @@ def run_cp(model: ModelConfig, scenarios: list[Scenario], cp: int, timeout_s: fl
         from hicache.streams import BLIND_SANITIZER
 
         raise ValueError(BLIND_SANITIZER)
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, cp, port, model, scenarios, queue, os.getpid()), daemon=True)
-             for r in range(cp)]
-    # The ranks start with SIGINT ignored (inherited through exec), so Ctrl-C at a terminal, which
-    # reaches the whole process group, interrupts only this process; it then ends the ranks below.
-    main_thread = threading.current_thread() is threading.main_thread()
-    old = signal.signal(signal.SIGINT, signal.SIG_IGN) if main_thread else None
-    try:
-        for p in procs:
-            p.start()
-    finally:
-        if main_thread:
-            signal.signal(signal.SIGINT, old)
-    by_rank, ok = {}, False
-    deadline = time.monotonic() + timeout_s
-    try:
-        while len(by_rank) < cp:
-            try:
-                rank, results, error = queue.get(timeout=0.5)
-            except queue_mod.Empty:
-                dead = [r for r, p in enumerate(procs) if r not in by_rank and not p.is_alive() and p.exitcode != 0]
-                if dead:  # a rank that died without reporting (killed, out of memory) fails the run now
-                    raise RuntimeError(f"rank {dead[0]} exited with code {procs[dead[0]].exitcode} before reporting")
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"CP ranks: no result within {timeout_s:g} s") from None
-                continue
-            if error:
-                raise RuntimeError(f"rank {rank} failed:\n{error}")
-            by_rank[rank] = torch.load(io.BytesIO(results), weights_only=False)
-        ok = True
-    finally:
-        for p in procs:  # after a failure or an interrupt the ranks are ended at once
-            if ok:
-                p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
-                p.join(timeout=5)
+    with tempfile.TemporaryDirectory(prefix="layersplit-cp-") as tmp:
+        out = Path(tmp)
+        job = out / "job.pt"
+        torch.save((model, scenarios), job)
+        procs, ok = [], False
+        env = _child_env()
+        setup = functools.partial(_child_setup, os.getpid()) if os.name == "posix" else None
+        try:
+            for r in range(cp):
+                with open(out / f"rank{r}.log", "wb") as log:
+                    procs.append(subprocess.Popen(
+                        [sys.executable, "-m", "layersplit.engine.rank_worker", str(job), str(r), str(cp), str(port),
+                         str(out)], stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                        env=env, preexec_fn=setup))
+            by_rank = _collect(procs, out, timeout_s, on_ready)
+            ok = True
+        finally:
+            for p in procs:  # after a failure or an interrupt the ranks are ended at once
+                if ok:
+                    try:
+                        p.wait(timeout=30)
+                    except subprocess.TimeoutExpired:
+                        pass
+                if p.poll() is None:
+                    p.kill()
+                    p.wait(timeout=5)
     return [_merge(sc.name, [by_rank[r][i] for r in range(cp)]) for i, sc in enumerate(scenarios)]
 
 

@@ -112,7 +112,7 @@ class TinyDSA:
 
     def attention_out(self, layer: int, h: torch.Tensor, out_latent: torch.Tensor) -> torch.Tensor:
         v = torch.einsum("thl,lhv->thv", out_latent, self.layers[layer]["w_uv"])
-        return h + v.reshape(h.shape[0], -1) @ self.layers[layer]["o"]
+        return h + v.reshape(h.shape[0], v.shape[1] * v.shape[2]) @ self.layers[layer]["o"]  # any rows, 0 too
 
     def mlp(self, layer: int, h: torch.Tensor) -> torch.Tensor:
         p = self.layers[layer]

@@ -40,6 +40,7 @@ class PrefillReport:
     max_abs_deviation_vs_reference: float
     measured_on: str
     schedule: str = "overlapped"
+    host_tier: bool = False  # the prefixes were reloaded from the host tier during the prefill
     kernel_backend: str = "torch"  # what dispatch picked for the engine's ops on this device
     # the torch-reference engine's output vs this run's (None: this run already used the torch reference)
     max_abs_deviation_vs_torch_engine: float | None = None
@@ -145,13 +146,14 @@ def _kv_order_summary(result) -> str:
 def prefill(model: str | ModelConfig = "tiny", *, cp: int = 2, mode: str = "layersplit", context_len: int = 8192,
             hit: float = 0.9, requests: int = 1, seed: int = 0, ownership: str = "contiguous",
             split: str = "zigzag", trace: bool = False, progress=None, schedule: str = "overlapped",
-            bcast_kv_delay_ms: float = 0.0) -> PrefillReport:
+            bcast_kv_delay_ms: float = 0.0, host_tier: bool = False) -> PrefillReport:
     """Prefill ``requests`` synthetic requests on ``cp`` rank processes and check the result against
     the single-process reference (``max_abs_deviation_vs_reference``; when the kernels are not the
     torch reference, also against the torch-reference engine). ``trace``: keep every rank's trace
     events (``report.trace_events``, for :func:`layersplit.engine.trace.write_trace`).
     ``schedule``: ``overlapped`` (default) or ``legacy`` (one FIFO comm stream); ``bcast_kv_delay_ms``
-    stalls every KV broadcast (to see what the schedule hides).
+    stalls every KV broadcast (to see what the schedule hides); ``host_tier``: the cached prefixes are
+    reloaded from each rank's host tier layer by layer during the prefill (HiCache).
     ``progress(stage: str)``: told when each stage starts (the run takes seconds to minutes on a CPU)."""
     import torch
 
@@ -170,7 +172,9 @@ def prefill(model: str | ModelConfig = "tiny", *, cp: int = 2, mode: str = "laye
         raise ValueError(f"bcast_kv_delay_ms: expected a number in [0, 10000], got {bcast_kv_delay_ms!r}")
     device = "cuda" if torch.cuda.is_available() else "cpu"
     backend = resolve("indexer_scores", device)[0]
-    reqs = synthetic_requests(requests, context_len, hit, cfg_model.vocab_size, seed)
+    if not isinstance(host_tier, bool):
+        raise ValueError(f"host_tier: expected True or False, got {host_tier!r}")
+    reqs = synthetic_requests(requests, context_len, hit, cfg_model.vocab_size, seed, from_host=host_tier)
     cfg = EngineConfig(mode=mode, cp=cp, ownership=ownership, split=split,
                        pool_pages=requests * -(-context_len // PAGE_SIZE), max_batch_tokens=requests * context_len,
                        max_requests=requests, trace=trace, schedule=schedule,
@@ -178,7 +182,7 @@ def prefill(model: str | ModelConfig = "tiny", *, cp: int = 2, mode: str = "laye
     scenario = Scenario("prefill", reqs, cfg)
     say = progress or (lambda stage: None)
     say(f"prefill on {cp} rank process(es) ({mode})")
-    result = run_cp(cfg_model, [scenario], cp)[0]
+    result = run_cp(cfg_model, [scenario], cp, on_ready=lambda: say(f"{cp} rank(s) joined the group, computing"))[0]
     say("single-process reference")
     reference = run_reference(cfg_model, scenario)
     vs_torch = None
@@ -194,7 +198,7 @@ def prefill(model: str | ModelConfig = "tiny", *, cp: int = 2, mode: str = "laye
         bcast_bytes_per_layer=result.ranks[0].bcast_bytes if cp > 1 else {},
         max_abs_deviation_vs_reference=float((result.hidden - reference.hidden).abs().max()),
         measured_on=f"cuda ({cp_backend()})" if torch.cuda.is_available() else "cpu (gloo, emulated streams)",
-        schedule=schedule, kernel_backend=backend, max_abs_deviation_vs_torch_engine=vs_torch,
+        schedule=schedule, host_tier=host_tier, kernel_backend=backend, max_abs_deviation_vs_torch_engine=vs_torch,
         indexer_waits_for_kv_bcast=_kv_order_summary(result),
         bcast_wait_ms_per_rank=[round(r.bcast_wait_s * 1e3, 3) for r in result.ranks],
         trace_events=[e for r in result.ranks for e in r.trace] if trace else [])

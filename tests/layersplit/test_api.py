@@ -31,6 +31,31 @@ def test_readme_example_runs(capsys):
     assert m and float(m.group(2)) <= 1e-3
 
 
+def _check_output(out: list[str]) -> None:
+    assert re.fullmatch(r"LayerSplit holds \d+\.\d{3}x the tokens of redundant CP", out[0]), out
+    m = re.fullmatch(r"([\d,]+) tokens/s, max deviation (\S+)", out[1])
+    assert m and float(m.group(2)) <= 1e-3, out
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("how", ["file", "stdin"])
+def test_readme_example_as_a_user_runs_it(how, tmp_path):
+    """In a fresh interpreter, from another folder: saved as a script (no ``__main__`` guard) and
+    piped to ``python -``. The rank processes must not re-import the caller's ``__main__``."""
+    code = _readme_example()
+    if how == "file":
+        script = tmp_path / "example.py"
+        script.write_text(code)
+        proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=380)
+    else:
+        proc = subprocess.run([sys.executable, "-"], input=code, cwd=tmp_path, capture_output=True, text=True,
+                              timeout=380)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout.splitlines()
+    assert len(out) == 2, proc.stdout  # the script ran once: not again in each rank
+    _check_output(out)
+
+
 def test_version_and_exports():
     assert re.fullmatch(r"\d+\.\d+\.\d+.*|0\+unknown", layersplit.__version__)
     for name in layersplit.__all__:

@@ -40,31 +40,44 @@ def _alive(pids: set[int]) -> set[int]:
     return alive
 
 
+def _default_signals() -> None:
+    """The child starts with default dispositions, whatever this test inherited (a shell that ignores
+    SIGINT, as background jobs and some CI runners do, would otherwise hand the ignore down)."""
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_DFL)
+
+
+READY = "rank(s) joined the group, computing"
+
+
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("sig,code,word", [(signal.SIGINT, 130, "interrupted"), (signal.SIGTERM, 143, "terminated")])
 def test_interrupt_ends_rank_processes(sig, code, word):
     cmd = [sys.executable, "-m", "layersplit", "prefill", "--cp", "2", "--mode", "layersplit",
            "--context-len", "65536", "--json"]
     # a new session: the signal goes to the process group, as a terminal's Ctrl-C does
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-    ranks: set[int] = set()
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and proc.poll() is None:  # both rank processes up (plus the tracker)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            preexec_fn=_default_signals)
+    try:
+        seen = []
+        for line in proc.stderr:  # the explicit readiness signal: every rank joined and is computing
+            seen.append(line.rstrip("\n"))
+            if READY in line:
+                break
         ranks = _children(proc.pid)
-        if len(ranks) >= 3:
-            break
-        time.sleep(0.2)
-    assert proc.poll() is None and len(ranks) >= 3, "the prefill did not start its rank processes"
-    time.sleep(2.0)  # the ranks are importing torch / computing
-    if sig == signal.SIGINT:
-        os.killpg(proc.pid, sig)
-    else:
-        proc.send_signal(sig)
-    _, err = proc.communicate(timeout=60)
-    assert proc.returncode == code, err
-    lines = [line for line in err.splitlines() if not line.startswith("layersplit prefill: prefill on")]
-    assert lines == [f"layersplit prefill: {word}"], err  # one line, no traceback from any process
-    end = time.monotonic() + 10
-    while _alive(ranks) and time.monotonic() < end:
-        time.sleep(0.1)
-    assert not _alive(ranks), f"left behind: {_alive(ranks)}"
+        assert proc.poll() is None and len(ranks) == 2, f"the prefill did not start its 2 rank processes: {seen}"
+        if sig == signal.SIGINT:
+            os.killpg(proc.pid, sig)
+        else:
+            proc.send_signal(sig)
+        _, err = proc.communicate(timeout=60)
+        assert proc.returncode == code, err
+        assert err.splitlines() == [f"layersplit prefill: {word}"], err  # one line, no traceback from any process
+        end = time.monotonic() + 10
+        while _alive(ranks) and time.monotonic() < end:
+            time.sleep(0.1)
+        assert not _alive(ranks), f"left behind: {_alive(ranks)}"
+    finally:
+        if proc.poll() is None:  # a failed assertion never leaves the prefill (and its ranks) running
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=10)

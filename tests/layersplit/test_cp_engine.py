@@ -165,12 +165,27 @@ def test_legacy_fifo_schedule_fails_the_overlap_check(cp):
     assert deviation(res, ref) <= 1e-4
 
 
+@lru_cache(maxsize=None)
 def coherence_run(unsafe: bool):
     reqs = [Request(300, toks(40, 11)), Request(150, toks(25, 12))]
     cfg = EngineConfig(mode="layersplit", cp=2, pool_pages=32, max_batch_tokens=1024, max_requests=4,
                        hicache_delay_s=0.02, unsafe_skip_coherence=unsafe)
     sc = Scenario("coherence", reqs, cfg)
     return run_cp(TINY, [sc], 2)[0], run_reference(TINY, sc)
+
+
+@pytest.mark.timeout(300)
+def test_reload_bytes_per_layer_follow_ownership():
+    """Each rank reloads exactly its owned layers' prefix rows, per layer (the counters the sweep's
+    reload-spread columns read): contiguous ownership puts all of a rank's reload in its first block."""
+    res, _ = coherence_run(unsafe=False)
+    own = plan_ownership(TINY.num_layers, 2, "contiguous")
+    for rank in res.ranks:
+        assert sorted(rank.reload_bytes_by_layer) == list(own.owned_layers(rank.rank))
+        assert sum(rank.reload_bytes_by_layer.values()) == rank.reload_bytes > 0
+        with_index = [b for layer, b in rank.reload_bytes_by_layer.items() if TINY.has_indexer(layer)]
+        without = [b for layer, b in rank.reload_bytes_by_layer.items() if not TINY.has_indexer(layer)]
+        assert all(b > max(without, default=0) for b in with_index)  # index keys travel too
 
 
 @pytest.mark.timeout(300)
