@@ -266,19 +266,20 @@ def _sets_equal_up_to_ties(got: torch.Tensor, want: torch.Tensor, scores: torch.
 
 
 def flash_mla_checks(dev: torch.device) -> dict:
-    """The lse base measured for the installed ``sgl_kernel`` (``vendor.flash_mla_lse_base``), then the
+    """The lse base measured for the installed FlashMLA module (``vendor.flash_mla_lse_base``), then the
     gating matrix on this device: which shapes reach FlashMLA, each result against the reference."""
     from dsa_kernels import vendor
     from dsa_kernels.reference.sparse_mla import sparse_mla_prefill as reference
 
     found = vendor._flash_mla()
     if found is None:
-        return {"skipped": "sgl_kernel flash_mla_sparse_fwd not importable"}
+        return {"skipped": f"flash_mla_sparse_fwd not importable from {', '.join(vendor.FLASH_MLA_MODULES)}"}
     base = vendor.flash_mla_lse_base(found[1], dev)
     gen = torch.Generator().manual_seed(0)
     rows = []
+    # 64 / 128 heads: the kernel's own sizes; 16 and 96 padded up; 200 run in groups of 128
     for h, k, q_dtype in ((64, 2048, torch.bfloat16), (16, 2048, torch.bfloat16), (128, 100, torch.bfloat16),
-                          (64, 2048, torch.float32)):
+                          (96, 2048, torch.bfloat16), (200, 2048, torch.bfloat16), (64, 2048, torch.float32)):
         q = torch.randn(8, h, 576, generator=gen).to(q_dtype).to(dev)
         kv = torch.randn(4096, 576, generator=gen).to(torch.bfloat16).to(dev)
         idx = torch.randint(0, 4096, (8, k), generator=gen, dtype=torch.int32).to(dev)
@@ -289,7 +290,7 @@ def flash_mla_checks(dev: torch.device) -> dict:
         rows.append({"heads": h, "topk": k, "q_dtype": str(q_dtype), "path": "fallback" if reason else "vendor",
                      "reason": reason, **check})
     passed = base is not None and all(r["passed"] for r in rows)
-    return {"sgl_kernel": found[1], "lse_base": {2.0: "2", math.e: "e", None: "not established"}[base],
+    return {"module": found[1], "lse_base": {2.0: "2", math.e: "e", None: "not established"}[base],
             "gating": rows, "passed": passed}
 
 
@@ -332,6 +333,6 @@ def vendor_checks(dev: torch.device) -> dict:
     """Both vendor checks; a missing vendor module is reported as skipped, not failed."""
     mla, topk = flash_mla_checks(dev), flashinfer_topk_checks(dev)
     passed = all(part.get("passed", True) for part in (mla, topk))
-    parts = [f"FlashMLA: {mla.get('skipped') or 'sgl_kernel ' + mla['sgl_kernel'] + ' lse base ' + mla['lse_base']}",
+    parts = [f"FlashMLA: {mla.get('skipped') or mla['module'] + ' lse base ' + mla['lse_base']}",
              f"FlashInfer top-k: {topk.get('skipped') or ('sets equal up to ties' if topk['passed'] else 'DIFFERS')}"]
     return {"flash_mla": mla, "flashinfer_topk": topk, "passed": passed, "summary": "; ".join(parts)}
