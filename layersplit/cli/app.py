@@ -13,7 +13,7 @@ import threading
 
 from lsconfig.config_io import ConfigError
 from layersplit import __version__
-from layersplit.cli import check_cmd, gpu_check_cmd, monitor_cmd, options, plan_cmd, prefill_cmd, stress_cmd, sweep_cmd
+from layersplit.cli import check_cmd, gpu_check_cmd, monitor_cmd, options, plan_cmd, prefill_cmd, sglang_plan_cmd, stress_cmd, sweep_cmd
 
 
 _int_at_least = options.int_at_least
@@ -30,6 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
     monitor_cmd.add_parser(sub, _int_at_least)
     check_cmd.add_parser(sub, _int_at_least)
     gpu_check_cmd.add_parser(sub, _int_at_least)
+    sglang_plan_cmd.add_parser(sub, _int_at_least)
     return parser
 
 

@@ -104,7 +104,9 @@ def graphs_enabled(cuda_graph_config) -> bool:
     if cuda_graph_config is None:
         return False
     for phase in ("prefill", "decode"):
-        backend = getattr(getattr(cuda_graph_config, phase, None), "backend", None)
+        entry = (cuda_graph_config.get(phase) if isinstance(cuda_graph_config, dict)
+                 else getattr(cuda_graph_config, phase, None))
+        backend = entry.get("backend") if isinstance(entry, dict) else getattr(entry, "backend", None)
         if backend is not None and str(getattr(backend, "value", backend)).lower() not in ("disabled", "none"):
             return True
     return False
