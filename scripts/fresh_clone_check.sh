@@ -1,16 +1,17 @@
 #!/usr/bin/env bash
 # Fresh-clone check: what a newcomer does first, timed step by step.
 #
-#   scripts/fresh_clone_check.sh [--ref REF] [--dir DIR] [--main-job] [--tests] [--keep]
+#   scripts/fresh_clone_check.sh [--ref REF] [--dir DIR] [--main-job] [--tests] [--keep] [--dry-run]
 #
 # Clones this repository (its committed REF, default HEAD) into a temporary folder, then runs the
 # README's "Set up and run" block as written there: its first line (the install), its second (the main
 # job) with --help unless --main-job is given, then `layersplit plan --model glm-5 --cp 8 --hardware h200`
 # and the same plan from a model's own config.json. --tests also runs the README's test command (long:
 # the whole suite). Prints each step's wall time; a failing step prints its log's tail and stops.
+# --dry-run prints the commands read from this checkout's README and runs nothing.
 set -euo pipefail
 
-ref=HEAD dir="" main_job=0 tests=0 keep=0
+ref=HEAD dir="" main_job=0 tests=0 keep=0 dry_run=0
 while [[ $# -gt 0 ]]; do
     case "$1" in
         --ref) ref="$2"; shift 2 ;;
@@ -18,6 +19,7 @@ while [[ $# -gt 0 ]]; do
         --main-job) main_job=1; shift ;;
         --tests) tests=1; shift ;;
         --keep) keep=1; shift ;;
+        --dry-run) dry_run=1; shift ;;
         -h|--help) sed -n '2,11p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
         *) echo "fresh_clone_check: unknown argument '$1' (see --help)" >&2; exit 2 ;;
     esac
@@ -36,7 +38,7 @@ step() {  # step NAME COMMAND...: run in the clone, log to $logs/NAME.log, recor
     local name="$1"; shift
     local start end
     start=$(date +%s.%N)
-    if ! (cd "$clone" && "$@") >"$logs/$name.log" 2>&1; then
+    if ! (cd "${cwd:-$clone}" && "$@") >"$logs/$name.log" 2>&1; then
         echo "fresh_clone_check: step '$name' failed; last lines of $logs/$name.log:" >&2
         tail -n 20 "$logs/$name.log" >&2
         exit 1
@@ -47,19 +49,25 @@ step() {  # step NAME COMMAND...: run in the clone, log to $logs/NAME.log, recor
     printf '%-28s %8s s\n' "$name" "${times[-1]}"
 }
 
-readme_block() {  # the README's first ```bash block after the heading $1, one command per line
+readme_block() {  # the README's first ```bash block after the heading $1 in README $2, one command per line
     awk -v head="$1" '
         index($0, head) == 1 { found = 1; next }
         found && /^```bash/ { inside = 1; next }
         inside && /^```/ { exit }
-        inside && NF { print }' "$clone/README.md"
+        inside && NF { print }' "$2"
 }
 
+if [[ $dry_run -eq 1 ]]; then
+    readme_block "## Set up and run" "$repo/README.md" | sed -n '1s/^/install: /p; 2s/^/main job: /p'
+    readme_block "## Test" "$repo/README.md" | sed -n '1s/^/tests: /p'
+    exit 0
+fi
+
 echo "fresh_clone_check: $repo @ $ref -> $clone"
-step clone git clone --quiet --no-hardlinks "$repo" "$clone"
+cwd="$work" step clone git clone --quiet --no-hardlinks "$repo" "$clone"
 step checkout git -c advice.detachedHead=false checkout --quiet "$ref"
-mapfile -t setup < <(readme_block "## Set up and run")
-mapfile -t testcmd < <(readme_block "## Test")
+mapfile -t setup < <(readme_block "## Set up and run" "$clone/README.md")
+mapfile -t testcmd < <(readme_block "## Test" "$clone/README.md")
 [[ ${#setup[@]} -ge 2 && ${#testcmd[@]} -ge 1 ]] || { echo "fresh_clone_check: README blocks not found" >&2; exit 1; }
 echo "install:  ${setup[0]}"
 echo "main job: ${setup[1]}"
