@@ -15,13 +15,15 @@ from fractions import Fraction
 from pathlib import Path
 
 from lsconfig.config_io import ConfigError, build, read_yaml, require
+from lsconfig.paths import configs_root
 
 SIGNALS = ("cumulative", "window", "any")
 
 
 def default_config_path() -> Path:
-    """The repository's ``configs/monitor.yaml``."""
-    return Path(__file__).resolve().parents[2] / "configs" / "monitor.yaml"
+    """The shipped ``monitor.yaml`` (the checkout's ``configs/``, the wheel's package data, or
+    ``LAYERSPLIT_CONFIG_DIR``: see ``lsconfig.paths``)."""
+    return configs_root() / "monitor.yaml"
 
 
 def exact(value: float) -> Fraction:
