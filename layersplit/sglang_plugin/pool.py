@@ -37,8 +37,10 @@ pools assume the same.
 
 Every rank runs the same state machine (which layer each slot holds), independent of ownership,
 because a broadcast is a collective every rank must enter in the same order. Without batch pages (a
-batch the hook did not see: CUDA-graph replay, no ``seq_lens_cpu``) it runs upstream's whole-buffer
-path (upstream's methods, so they also run on the stand-in objects of SGLang's own unit tests),
+batch the hook did not see: a CUDA-graph replay, a batch without host lengths) it runs upstream's
+whole-buffer path into upstream's landing layer, which exists only where the start-up plan chose
+``pool`` landing for such a worker (a ``batch`` pool refuses that path rather than allocate it); on
+objects that are not this pool (the stand-ins of SGLang's own unit tests) upstream's methods run,
 with one intended difference: without a broadcast communicator upstream's prefetch broadcasts at
 once without waiting for HiCache's layer counter (a read before the layer is loaded); ours waits.
 """
