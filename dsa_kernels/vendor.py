@@ -65,14 +65,22 @@ def _capability(device: torch.device) -> tuple[int, int]:
     return torch.cuda.get_device_capability(device)
 
 
+_IMPORT_FAILED: set[str] = set()  # FlashMLA modules whose import failed in this process
+
+
 def _flash_mla() -> tuple[object, str] | None:
     """``(flash_mla_sparse_fwd, "<module> <version>")`` from the first of ``FLASH_MLA_MODULES`` that
     imports and has it, or None."""
     for name in FLASH_MLA_MODULES:
-        try:
-            module = importlib.import_module(name)  # a submodule: imported, not read off its parent
-        except Exception:  # a GPU wheel can fail at import for many reasons: fall back, never crash
-            continue
+        module = sys.modules.get(name)
+        if module is None:
+            if name in _IMPORT_FAILED:  # called once per layer: a failed import is not retried every call
+                continue
+            try:
+                module = importlib.import_module(name)  # a submodule: imported, not read off its parent
+            except Exception:  # a GPU wheel can fail at import for many reasons: fall back, never crash
+                _IMPORT_FAILED.add(name)
+                continue
         fn = getattr(module, "flash_mla_sparse_fwd", None)
         if fn is not None:
             package = sys.modules.get(name.split(".")[0], module)

@@ -81,8 +81,8 @@ def test_scratch_shrinks_ratio_with_batch_size():
     [
         (["--cp", "0"], "argument --cp: expected an integer >= 1, got 0"),
         (["--cp", "eight"], "argument --cp: expected an integer >= 1, got 'eight'"),
-        (["--cp", "8", "--mem-fraction", "1.5"], "argument --mem-fraction: expected a number in (0, 1], got 1.5"),
-        (["--cp", "8", "--kv-dtype", "fp4"], "argument --kv-dtype: invalid choice: 'fp4'"),
+        (["--cp", "8", "--mem-fraction", "1.5"], "argument --mem-fraction/--mem-fraction-static: expected a number in (0, 1], got 1.5"),
+        (["--cp", "8", "--kv-dtype", "fp4"], "argument --kv-dtype/--kv-cache-dtype: expected one of ('bf16', 'fp8', 'auto', 'bfloat16', 'fp8_e4m3'), got 'fp4'"),
     ],
     ids=["cp-zero", "cp-word", "mem-fraction", "kv-dtype"],
 )
