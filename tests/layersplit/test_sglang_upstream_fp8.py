@@ -22,6 +22,8 @@ else:
 from layersplit.sglang_plugin import compat  # noqa: E402
 from layersplit.sglang_plugin.stress import SIZE, dsa_pool_kwargs, forward_layers, published, write_prefix  # noqa: E402
 
+LAYERS = 2
+
 
 def _port() -> int:
     with socket.socket() as s:
@@ -34,18 +36,18 @@ def _worker(rank: int, port: int, queue) -> None:
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     try:
-        fp8 = dsa_pool_kwargs(kv_dtype="fp8")
+        fp8 = dsa_pool_kwargs(layers=LAYERS, kv_dtype="fp8")  # each rank owns one layer, reads the other's
         with published():
             ref = compat.resolve("dsa_pool")(SIZE, **fp8)
-            write_prefix(ref)
-            want = forward_layers(ref, seed=7)
+            write_prefix(ref, layers=LAYERS)
+            want = forward_layers(ref, seed=7, layers=LAYERS)
         with published(world=2, group=dist.group.WORLD):
             pool = compat.resolve("layer_split_pool")(SIZE, **fp8, layer_shard_rank=rank, layer_shard_size=2)
-            write_prefix(pool)
-            got = forward_layers(pool, seed=7)
+            write_prefix(pool, layers=LAYERS)
+            got = forward_layers(pool, seed=7, layers=LAYERS)
         same = [bool(torch.equal(g.view(torch.uint8), w.view(torch.uint8))) for gw in zip(got, want)
                 for g, w in zip(*gw)]
-        queue.put((rank, same, pool.dsa_kv_cache_store_fp8, tuple(pool.kv_buffer[rank * 3].shape), None))
+        queue.put((rank, same, pool.dsa_kv_cache_store_fp8, tuple(pool.kv_buffer[rank].shape), None))
     except Exception:
         import traceback
 
