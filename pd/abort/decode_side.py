@@ -34,6 +34,7 @@ from collections import Counter, deque
 from typing import Callable
 
 from pd.abort.bootstrap import BootstrapRegistry
+from pd.abort.decode_health import RankHealth
 from pd.abort.decode_kv import DecodeKV
 from pd.abort.decode_request import (BOOTSTRAPPING, FAILED, LIVE, SUCCESS, TRANSFERRING, WAITING,  # noqa: F401 - API
                                DecodeConfig, DecodeRequest)
@@ -69,7 +70,8 @@ class DecodeNode:
             "paused_sends", "decode_restarts"), 0)
         self.held_aborted_pages = self.peak_held_aborted_pages = 0  # pages of aborted requests awaiting acks
         self._new_life()
-        registry.watch(self._registry_changed)
+        self.health = RankHealth(self)  # resumes re-sends, fences dead ranks (pd.abort.decode_health)
+        registry.watch(self.health.changed)
 
     def _new_life(self) -> None:
         self.kv = DecodeKV(self.cfg.num_pages, self.topology.num_layers, self.life)
@@ -91,7 +93,7 @@ class DecodeNode:
             req.state, req.abort_reason = FAILED, "decode_restart"
             self.on_finish(req)
 
-    def _current(self, req: DecodeRequest) -> bool:
+    def current(self, req: DecodeRequest) -> bool:
         return self.reqs.get(req.room) is req
 
     # admission and bootstrap -----------------------------------------------------------------------
@@ -122,7 +124,7 @@ class DecodeNode:
             self.abort(req, "queue_timeout")
 
     def _resolve(self, req: DecodeRequest) -> None:
-        if req.state != BOOTSTRAPPING or not self._current(req):
+        if req.state != BOOTSTRAPPING or not self.current(req):
             return  # aborted while bootstrapping
         incarnations = self.registry.resolve(self.topology.ranks)
         if incarnations is None:  # a rank is down: keep bootstrapping until it is back or we time out
@@ -138,21 +140,21 @@ class DecodeNode:
         req.open_ranks = set(req.told)
         for rank in req.told:
             self.watermarks[rank].open(req.epoch)
-        self._send_transfers(req, self.topology.ranks)
+        self.send_transfers(req, self.topology.ranks)
         self.loop.after(self.cfg.poll_s, self._poll, req)
 
-    def _send_transfers(self, req: DecodeRequest, ranks) -> None:
+    def send_transfers(self, req: DecodeRequest, ranks) -> None:
         pages, generations = tuple(req.pages), tuple(t.generation for t in req.tags)
         for rank in ranks:
             self.send(rank, TransferRequest(req.rid, req.room, req.epoch, req.incarnations[rank],
                                             self.watermarks[rank].floor(), pages, generations, self.life))
 
     def _poll(self, req: DecodeRequest) -> None:
-        if req.state not in (WAITING, TRANSFERRING) or not self._current(req):
+        if req.state not in (WAITING, TRANSFERRING) or not self.current(req):
             return
         missing = [r for r in self.topology.ranks if r not in req.done_peers]
         self.stats["transfer_resends"] += len(missing)
-        self._send_transfers(req, missing)  # idempotent: a done rank answers TransferDone again
+        self.send_transfers(req, missing)  # idempotent: a done rank answers TransferDone again
         self.loop.after(self.cfg.poll_s, self._poll, req)
 
     # messages from prefill ---------------------------------------------------------------------------
@@ -205,7 +207,7 @@ class DecodeNode:
         self.loop.after(self.cfg.decode_s, self._finish, req)
 
     def _finish(self, req: DecodeRequest) -> None:
-        if self._current(req):  # not lost to a decode restart meanwhile
+        if self.current(req):  # not lost to a decode restart meanwhile
             self._release(req)
             self.on_finish(req)
 
@@ -234,23 +236,23 @@ class DecodeNode:
         self.held_aborted_pages += len(req.pages)
         self.peak_held_aborted_pages = max(self.peak_held_aborted_pages, self.held_aborted_pages)
         req.abort_token = self.rng.getrandbits(63)
-        self._send_aborts(req)
+        self.send_aborts(req)
 
     def _abortable(self, req: DecodeRequest) -> bool:
-        return req.state in LIVE and self._current(req)
+        return req.state in LIVE and self.current(req)
 
     def _must_ack(self, req: DecodeRequest) -> set[int]:
         """Ranks that may still write the pages: told, not reported done (a done rank drained), not fenced."""
         return {r for r in req.told - req.done_peers if req.incarnations[r] > self.fenced[r]}
 
-    def _send_aborts(self, req: DecodeRequest) -> None:
+    def send_aborts(self, req: DecodeRequest) -> None:
         req.resend_armed = False
-        if not req.unacked or not self._current(req) or (req.quarantined and self.cfg.unsafe_terminal_quarantine):
+        if not req.unacked or not self.current(req) or (req.quarantined and self.cfg.unsafe_terminal_quarantine):
             return
         backoff = self.cfg.abort_backoff
         if backoff.exhausted(req.sends) and not req.quarantined:
             self._give_up(req)
-            if not self._current(req) or self.cfg.unsafe_terminal_quarantine:
+            if not self.current(req) or self.cfg.unsafe_terminal_quarantine:
                 return  # freed at the bound (UNSAFE), or the old terminal quarantine (UNSAFE)
         registered = [r for r in sorted(req.unacked) if self.registry.serving(r) is not None]
         self.stats["paused_sends"] += len(req.unacked) - len(registered)
@@ -258,12 +260,12 @@ class DecodeNode:
             return  # every rank it waits for is down: resumed when one registers (or fenced)
         req.sends += 1
         for rank in registered:
-            self._send_abort(req, rank)
+            self.send_abort(req, rank)
         self.stats["abort_resends"] += req.sends > 1
         req.resend_armed = True
-        self.loop.after(backoff.delay(req.sends, self.rng), self._send_aborts, req)
+        self.loop.after(backoff.delay(req.sends, self.rng), self.send_aborts, req)
 
-    def _send_abort(self, req: DecodeRequest, rank: int) -> None:
+    def send_abort(self, req: DecodeRequest, rank: int) -> None:
         self.stats["abort_sends"] += 1
         self.send(rank, Abort(req.rid, req.room, req.abort_token, req.epoch, self.watermarks[rank].floor(), self.life))
 
@@ -286,68 +288,14 @@ class DecodeNode:
             return
         self.stats["acks"] += 1
         self.stats["acks_from_restarted_rank"] += ack.incarnation != req.incarnations[ack.peer]
-        self._acked(req, ack.peer)
+        self.acked(req, ack.peer)
 
-    def _acked(self, req: DecodeRequest, rank: int) -> None:
+    def acked(self, req: DecodeRequest, rank: int) -> None:
         req.unacked.discard(rank)
         self._close(req, rank)
         if not req.unacked:  # every rank confirmed (or was fenced): its writes never started, all landed, or are refused
             self.stats["quarantine_released"] += req.quarantined
             self._release(req)
-
-    # liveness and fencing: the bootstrap registry is the failure detector --------------------------------
-    def _registry_changed(self, rank: int, incarnation: int | None, expired: int | None = None) -> None:
-        if incarnation is not None:
-            self._readdress(rank, incarnation)
-            self._resume(rank)
-        elif self.cfg.fence_after_s is not None and expired is not None:
-            self.loop.after(self.cfg.fence_after_s, self._suspect, rank, expired)
-
-    def _readdress(self, rank: int, incarnation: int) -> None:
-        """A newer process of ``rank`` serves: a live request addressed to an older one (resolved while
-        the registry was stale) is re-sent to it. Safe: the new process served only once every write of
-        its previous lives had drained, so nothing of theirs can land any more."""
-        for req in [r for r in self.reqs.values() if r.state in (WAITING, TRANSFERRING)]:
-            if rank in req.told and rank not in req.done_peers and req.incarnations[rank] < incarnation:
-                req.incarnations = req.incarnations[:rank] + (incarnation,) + req.incarnations[rank + 1:]
-                self._send_transfers(req, (rank,))
-
-    def _resume(self, rank: int) -> None:
-        """``rank`` registered (again): re-send every abort that waits on it now, not at the next timer."""
-        if self.cfg.unsafe_terminal_quarantine:
-            return
-        for req in [r for r in self.reqs.values() if rank in r.unacked]:
-            self.stats["resumed_sends"] += 1
-            self._send_abort(req, rank)
-            if not req.resend_armed:
-                req.resend_armed = True
-                self.loop.after(self.cfg.abort_backoff.delay(max(req.sends, 1), self.rng), self._send_aborts, req)
-
-    def _suspect(self, rank: int, incarnation: int) -> None:
-        """``incarnation``'s lease expired ``fence_after_s`` ago: unless the rank came back, fence it."""
-        if self.registry.serving(rank) is not None:
-            return  # a newer process serves: it drained every write of its previous lives first
-        self.fence(rank, incarnation)
-
-    def fence(self, rank: int, incarnation: int) -> None:
-        """Declare ``rank``'s processes up to ``incarnation`` dead: tear down their registration first
-        (the engine refuses their writes from now on), then release what waited only on them."""
-        if self.fence_writer is not None:
-            self.fence_writer(rank, incarnation)
-        self.registry.revoke(rank, incarnation)
-        self.fenced[rank] = max(self.fenced[rank], incarnation)
-        self.fences.append((rank, incarnation, self.loop.now))
-        self.stats["fences"] += 1
-        log.warning("prefill%d: incarnations <= %d fenced (lease expired %.1f s ago)", rank, incarnation,
-                    self.cfg.fence_after_s or 0.0)
-        for req in list(self.reqs.values()):
-            if rank not in req.told or req.incarnations[rank] > incarnation:
-                continue
-            if self._abortable(req):
-                self.abort(req, "fenced")  # it can never complete; the fenced rank is not waited for
-            elif rank in req.unacked and self._current(req):
-                self.stats["released_by_fence"] += 1
-                self._acked(req, rank)
 
     # release -----------------------------------------------------------------------------------------
     def _release(self, req: DecodeRequest) -> None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 from pd.abort.decode_side import BOOTSTRAPPING, LIVE, TRANSFERRING, WAITING, DecodeNode
 from pd.abort.prefill_side import PrefillNode
 
-_DECODE_TIMERS = ("_resolve", "_timeout", "_poll", "_send_aborts", "_finish", "_queue_timeout")
+_DECODE_TIMERS = ("_resolve", "_timeout", "_poll", "send_aborts", "_finish", "_queue_timeout")
 
 
 def stale(cluster, event: tuple) -> bool:

@@ -28,7 +28,7 @@ _COUNTERS = {"stats", "rng"}
 FIELDS: dict[type, tuple[set[str], set[str]]] = {  # class -> (state, ignored)
     DecodeNode: ({"reqs", "queue", "watermarks", "_epoch", "kv", "life", "fenced"},
                  _COUNTERS | {"loop", "cfg", "send", "topology", "registry", "on_finish", "release_latencies",
-                              "abort_reasons", "fence_writer", "fences", "releases", "held_aborted_pages",
+                              "abort_reasons", "fence_writer", "fences", "releases", "held_aborted_pages", "health",
                               "peak_held_aborted_pages"}),
     DecodeRequest: ({"rid", "room", "n_pages", "state", "pages", "tags", "epoch", "incarnations", "told", "done_peers",
                      "open_ranks", "abort_reason", "abort_token", "unacked", "sends", "quarantined", "resend_armed"},

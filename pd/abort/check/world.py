@@ -239,7 +239,7 @@ def label(w: World, action: tuple) -> str:
 
 
 _EVENTS = {"submit": "router: submit", "_resolve": "decode: bootstrap lookup", "_timeout": "decode: wait timeout",
-           "_poll": "decode: poll (re-send TransferRequest)", "_send_aborts": "decode: abort re-send timer",
+           "_poll": "decode: poll (re-send TransferRequest)", "send_aborts": "decode: abort re-send timer",
            "_finish": "decode: finish decoding", "abort": "decode: abort", "_computed": "forward pass done",
            "_post": "post write batch", "restart": "restart", "_write": "write lands", "fail": "batch fails",
            "_quiesce": "empty batch quiesces", "expire": "registry: lease expires", "_suspect": "decode: fence timer",
