@@ -14,6 +14,9 @@ of rank processes, alternating per repeat (so load drift on the machine hits bot
 the slowest rank's compute-stream time, median of ``--repeats`` paired differences. Hidden: well below
 1 while the delay is shorter than the work it hides under; a schedule that exposes every broadcast
 scores ~1 (legacy scores about layers / non-owned layers, since the owner's stalls are exposed too).
+On a loaded machine the forward time drifts by more than the stalls; ``wait_exposed_share`` is the
+same ratio for the time the compute stream stood still waiting for collectives (all-gathers,
+broadcasts, send packing: the slowest rank's sum), which compute-time noise does not inflate.
 Measured on this machine's runtime (CPU: gloo between processes, emulated streams; the ranks share
 its cores). The per-layer order itself is not timed: ``RankResult.kv_order`` has it, from the issued
 program's happens-before order.
@@ -77,16 +80,23 @@ def summarize(args: argparse.Namespace, results) -> list[dict]:
     own = plan_ownership(model.num_layers, args.cp, "contiguous")
     non_owned = max(model.num_layers - len(own.owned_layers(r)) for r in range(args.cp))
     by_name = {r.name: r.seconds for r in results}
+    by_wait = {r.name: max(rank.comm_wait_s for rank in r.ranks) for r in results}
     rows = []
     for schedule in SCHEDULES:
         base = [by_name[f"{schedule}/0/{i}"] for i in range(args.repeats)]
         stalled = [by_name[f"{schedule}/{args.delay_ms:g}/{i}"] for i in range(args.repeats)]
         growth = statistics.median(s - b for s, b in zip(stalled, base))
+        w_base = [by_wait[f"{schedule}/0/{i}"] for i in range(args.repeats)]
+        w_stalled = [by_wait[f"{schedule}/{args.delay_ms:g}/{i}"] for i in range(args.repeats)]
+        w_growth = statistics.median(s - b for s, b in zip(w_stalled, w_base))
         rows.append({"schedule": schedule, "delay_ms": args.delay_ms, "non_owned_layers": non_owned,
                      "forward_ms": round(statistics.median(base) * 1e3, 2),
                      "forward_with_delay_ms": round(statistics.median(stalled) * 1e3, 2),
                      "growth_ms": round(growth * 1e3, 2),
                      "exposed_share": round(growth / (args.delay_ms / 1e3 * non_owned), 3),
+                     "comm_wait_ms": round(statistics.median(w_base) * 1e3, 2),
+                     "comm_wait_with_delay_ms": round(statistics.median(w_stalled) * 1e3, 2),
+                     "wait_exposed_share": round(w_growth / (args.delay_ms / 1e3 * non_owned), 3),
                      "repeats": args.repeats, "model": args.model, "cp": args.cp,
                      "context_len": args.context_len, "hit": args.hit, "measured": "this machine's runtime"})
     return rows
@@ -104,10 +114,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"KV-broadcast stall of {args.delay_ms:g} ms before every bcast_kv, {args.model} cp{args.cp}, "
           f"context {args.context_len} at hit {args.hit}, median of {args.repeats} paired repeats (measured)")
     print(f"{'schedule':<11} {'forward ms':>10} {'with delay':>10} {'growth ms':>9} {'delay x layers':>14} "
-          f"{'exposed_share':>13}")
+          f"{'exposed_share':>13} {'comm waits ms':>13} {'with delay':>10} {'wait_exposed_share':>18}")
     for r in rows:
         print(f"{r['schedule']:<11} {r['forward_ms']:>10.2f} {r['forward_with_delay_ms']:>10.2f} "
-              f"{r['growth_ms']:>9.2f} {args.delay_ms * r['non_owned_layers']:>14.1f} {r['exposed_share']:>13.3f}")
+              f"{r['growth_ms']:>9.2f} {args.delay_ms * r['non_owned_layers']:>14.1f} {r['exposed_share']:>13.3f} "
+              f"{r['comm_wait_ms']:>13.2f} {r['comm_wait_with_delay_ms']:>10.2f} {r['wait_exposed_share']:>18.3f}")
     return 0
 
 

@@ -12,7 +12,9 @@ internal stream) would queue layer ``l``'s all-gather behind layer ``l``'s KV br
 indexer, which needs the all-gather, would wait for the KV broadcast too: nothing would overlap.
 Upstream SGLang's layer split also gives its broadcast stream a dedicated NCCL communicator. Each
 communicator sees its collectives in the same order on every rank (the engine issues them in program
-order), which is what gloo and NCCL require; the two never share one. With ``channels=1`` (the
+order), which is what gloo and NCCL require; the two never share one. (On CUDA, with
+``CUDA_DEVICE_MAX_CONNECTIONS=1``, as Megatron-style launchers set, every stream shares one hardware
+queue and the all-gather can sit behind the KV broadcast there: leave it unset for the overlap.) With ``channels=1`` (the
 ``legacy`` schedule) both names map to the one ``comm`` stream and group.
 
 On CPU each stream is an emulated worker thread calling gloo; on CUDA the collectives are queued
@@ -47,17 +49,19 @@ from layersplit.engine.trace import Tracer
 UNSAFE_CHOICES = ("compute_wait", "record_stream")
 CHANNEL_STREAMS = {"main": "comm", "kv": "comm_kv"}
 
-_KV_GROUP: list = []  # the process's second communicator, made once (new_group is collective)
+_KV_GROUP: list = []  # [(the default group it was made under, the second communicator)]
 
 
 def kv_group():
     """The KV channel's process group: made on first use, by every rank at the same point of its
-    program (engine construction), and reused by every later engine of the process."""
+    program (engine construction; ``new_group`` is collective), and reused by every later engine of
+    the process while the same default group lives (a re-initialized one gets a new KV group)."""
     if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() == 1:
         return None
-    if not _KV_GROUP:
-        _KV_GROUP.append(dist.new_group(ranks=list(range(dist.get_world_size()))))
-    return _KV_GROUP[0]
+    world = dist.group.WORLD
+    if not _KV_GROUP or _KV_GROUP[0][0] is not world:
+        _KV_GROUP[:] = [(world, dist.new_group(ranks=list(range(dist.get_world_size()))))]
+    return _KV_GROUP[0][1]
 
 
 class Sent(NamedTuple):
@@ -78,6 +82,10 @@ class CPComm:
         self.unsafe_skip = frozenset(unsafe_skip)
         main = runtime.stream("comm")
         self.streams = {"main": main, "kv": runtime.stream("comm_kv") if channels == 2 else main}
+        # the owner packs its KV send buffer on a stream of its own: queued behind the KV channel's
+        # earlier broadcasts (which wait for every receiver), the owner's write of its new rows would
+        # wait for them too; behind other packs only, it waits for a gather of its own pages
+        self._pack = runtime.stream("comm_kv_pack") if channels == 2 else None
         self._groups = {"main": None, "kv": kv_group() if channels == 2 and world_size > 1 else None}
 
     @property
@@ -85,11 +93,10 @@ class CPComm:
         return self.streams["main"]
 
     def synchronize(self) -> None:
-        for stream in {id(s): s for s in self.streams.values()}.values():
+        for stream in {id(s): s for s in [*self.streams.values(), self._pack] if s is not None}.values():
             stream.synchronize()
 
-    def _issue(self, name: str, channel: str, after: list[Event], tensors: list[torch.Tensor], **args) -> None:
-        stream = self.streams[channel]
+    def _issue(self, name: str, stream, after: list[Event], tensors: list[torch.Tensor], **args) -> None:
         self.tracer.instant(f"issue {name}", "compute", **args)
         if "compute_wait" not in self.unsafe_skip:  # hazard: the compute work queued so far comes first
             issued = self.rt.event()
@@ -116,12 +123,23 @@ class CPComm:
         """Rank ``src`` sends ``send()`` (built on the channel's stream, after ``after``); the others
         receive into ``recv`` in place."""
         stream, group = self.streams[channel], self._groups[channel]
-        self._issue(name, channel, list(after), [recv] if recv is not None else [], **args)
         buf: list[torch.Tensor] = []
-        if self.rank == src:  # the send buffer is built on the stream, in order with the rows' writers
-            stream.submit(lambda: buf.append(send()), name=f"pack {name}")
         read = self.rt.event()
-        read.record(stream)
+        if self.rank == src and channel == "kv" and self._pack is not None:
+            self._issue(name, self._pack, list(after), [], **args)  # after compute's writes and the load
+
+            def pack() -> None:
+                packed = send()
+                stream.record_stream(packed)  # hazard: made on the pack stream, read by the KV stream
+                buf.append(packed)
+            self._pack.submit(pack, name=f"pack {name}")
+            read.record(self._pack)
+            stream.wait_event(read)
+        else:
+            self._issue(name, stream, list(after), [recv] if recv is not None else [], **args)
+            if self.rank == src:  # the send buffer is built on the stream, in order with the rows' writers
+                stream.submit(lambda: buf.append(send()), name=f"pack {name}")
+            read.record(stream)
 
         def run() -> None:
             data = buf.pop() if self.rank == src else recv
@@ -132,7 +150,7 @@ class CPComm:
 
     def all_gather(self, name: str, local: torch.Tensor, out: list[torch.Tensor], **args) -> Event:
         """``out[r] = local`` of rank ``r`` (equal shapes); returns the event after which ``out`` is valid."""
-        self._issue(name, "main", [], [local, *out], **args)
+        self._issue(name, self.stream, [], [local, *out], **args)
 
         def run() -> None:
             if self.world_size > 1:

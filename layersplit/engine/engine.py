@@ -17,9 +17,11 @@ MLP(l-1), travels under MLP(l-1), layer l's projections, its all-gather, index-k
 only the small index-key broadcast and the new rows' all-gather are on the indexer's critical path.
 On one FIFO stream (``schedule="legacy"``) layer l's all-gather would queue behind ``bcast_kv[l]`` and the
 indexer, which waits for the all-gather, would wait for the KV too — whatever the issue order says.
-``RankResult.kv_order`` proves it from the issued program's happens-before order
+``RankResult.kv_order`` proves it from the happens-before order of the rank's issued program
 (:mod:`hicache.happens_before`): per non-owned layer, the indexer does not happen after the KV
-broadcast's completion and attention does. A second stream and communicator, rather than a
+broadcast's completion and attention does. (Within one rank: edges through another rank's progress,
+a collective waiting for a peer that waits for its own broadcasts, are not in it; the KV broadcast
+of layer l is ordered, through them, only after layers l-2 and earlier.) A second stream and communicator, rather than a
 finer-grained split on one, because a communicator runs its collectives in issue order (NCCL on its
 own internal stream, gloo per group): separating the streams without separating the communicators
 would serialize them again. Both communicators see their collectives in the same order on every rank.
@@ -119,6 +121,7 @@ class RankResult:
     trace: list[dict] = field(default_factory=list)
     reload_bytes: int = 0  # host-tier bytes this rank copied to its device pool (measured)
     bcast_wait_s: float = 0.0  # compute time spent waiting for broadcasts (exposed communication)
+    comm_wait_s: float = 0.0  # ... for any collective: broadcasts, the all-gathers, the owner's send packing
     hazards: list[str] | None = None  # stream-ordering hazards (None: not sanitized)
     hazard_kinds: dict[str, int] = field(default_factory=dict)
     # non-owned layer -> {"indexer": .., "attention": ..}: whether that op happens after the layer's KV
@@ -358,10 +361,11 @@ class RankEngine:
         for b in range(len(requests)):
             self.pool.pool.allocator.free(plan.pool_pages[b])
         waits = sum(s.elapsed_time(e) for name, s, e in self._waits if name.startswith("bcast")) / 1e3
+        comm_waits = sum(s.elapsed_time(e) for name, s, e in self._waits if not name.startswith("hicache")) / 1e3
         # device tensors: the caller copies them to the host after the forward (the launcher does)
         return RankResult(self.rank, h, loc, seconds, self.pool.kv_bytes(), dict(self._bcast_bytes),
                           list(self.tracer.events), load.bytes_copied if load else 0, waits,
-                          kv_order=self._kv_order(), reload_bytes_by_layer=dict(load.bytes_by_layer) if load else {})
+                          comm_wait_s=comm_waits, kv_order=self._kv_order(), reload_bytes_by_layer=dict(load.bytes_by_layer) if load else {})
 
     def _kv_order(self) -> dict[int, dict[str, bool]]:
         """Per non-owned layer: does its indexer / sparse attention happen after its KV broadcast
