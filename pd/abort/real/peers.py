@@ -1,0 +1,63 @@
+"""Process entry points of the probes: a decode peer that registers a shared-memory page buffer with
+its engine, and a prefill peer that writes pages into it. Each obeys commands on a pipe, so the test
+process can stop, kill or restart either one between two steps. (Spawned, never forked: the engine
+runs threads.)"""
+
+from __future__ import annotations
+
+import time
+
+from pd.abort.real.engine import Pages, fill, open_engine, register
+
+
+def decode_peer(conn, shm_name: str, count: int, page_bytes: int) -> None:
+    """Registers the pages, answers ``(session, base address)``; then ``deregister`` / ``register`` /
+    ``exit`` commands, each answered with the engine's return code."""
+    pages = Pages.attach(shm_name, count, page_bytes)
+    engine, session = open_engine()
+    addr, nbytes = pages.addr, count * page_bytes
+    register(engine, addr, nbytes)
+    conn.send((session, addr))
+    while True:
+        cmd = conn.recv()
+        if cmd == "exit":
+            conn.send(0)
+            return
+        if cmd == "deregister":
+            conn.send(engine.unregister_memory(addr))
+        elif cmd == "register":
+            conn.send(engine.register_memory(addr, nbytes))
+        else:
+            raise ValueError(f"decode peer: expected exit/deregister/register, got {cmd!r}")
+
+
+def prefill_peer(conn, session: str, page_bytes: int, value: int) -> None:
+    """Writes pages of ``value`` to the decode peer. Commands: ``("write", [dst addrs])`` — one
+    async batch, answered ``("submitted", t)`` then ``("status", rc, t)`` once the engine reports it
+    (``get_batch_transfer_status`` blocks until done, 0, or failed / timed out, negative);
+    ``("sync", [dst addrs])`` the same through ``batch_transfer_sync_write``; ``exit``."""
+    engine, _ = open_engine()
+    sources = {}
+    conn.send("ready")
+    while True:
+        cmd = conn.recv()
+        if cmd == "exit":
+            conn.send(0)
+            return
+        op, dsts = cmd
+        if len(dsts) not in sources:  # one registered source per batch size, every page the same value
+            src = fill(page_bytes * len(dsts), value)
+            register(engine, src.ctypes.data, src.nbytes)
+            sources[len(dsts)] = src
+        base = sources[len(dsts)].ctypes.data
+        srcs = [base + i * page_bytes for i in range(len(dsts))]
+        lengths = [page_bytes] * len(dsts)
+        if op == "write":
+            batch = engine.batch_transfer_async_write(session, srcs, list(dsts), lengths)
+            conn.send(("submitted", time.monotonic()))
+            rc = engine.get_batch_transfer_status([batch]) if batch else -1
+        elif op == "sync":
+            rc = engine.batch_transfer_sync_write(session, srcs, list(dsts), lengths)
+        else:
+            raise ValueError(f"prefill peer: expected write/sync/exit, got {op!r}")
+        conn.send(("status", rc, time.monotonic()))
