@@ -45,7 +45,8 @@ def order(pattern: str = "push", count: int = 20000, kill_first_after: int | Non
           settle_s: float = 0.3, timeout_s: float = 30.0) -> dict:
     """One sender incarnation of ``count`` messages, all read. With ``kill_first_after`` the receiver
     stalls after that many arrivals; the first incarnation (alive, every message handed to ZMQ) is
-    SIGKILLed ``settle_s`` after it said so, a second incarnation sends ``count`` and exits; then the receiver reads on."""
+    SIGKILLed ``settle_s`` after it said so, a second incarnation sends ``count`` and exits; then the
+    receiver reads on."""
     if pattern not in PATTERNS:
         raise ValueError(f"pattern: expected one of {sorted(PATTERNS)}, got {pattern!r}")
     import zmq
