@@ -126,14 +126,19 @@ def after_complete(rounds: int = 5, count: int = 64, page_bytes: int = 64 << 10,
 
 
 def after_kill(count: int = 1024, page_bytes: int = 64 << 10, stall_s: float = 1.0, watch_s: float = 1.0,
-               stall_decode: bool = True, kill_after_s: float = 0.2) -> dict:
+               stall_decode: bool = True, kill_after_s: float = 0.2, fence: bool = False) -> dict:
     """(b) The writer posts ``count`` pages and is SIGKILLed once it reported the batch submitted;
     after it is reaped, the pages are snapshot and watched. With ``stall_decode`` decode is SIGSTOPped
     before the batch and continued ``stall_s`` after the writer's death (a decode paused by GC, swap or
     a debugger), and the writer dies once decode's sockets hold at least a page of unread bytes: those
-    arrive then. Without the stall, the writer dies ``kill_after_s`` after the submission."""
+    arrive then. Without the stall, the writer dies ``kill_after_s`` after the submission.
+
+    ``fence`` (with the stall): decode's first act on resuming is to deregister its pages (the
+    command is queued before SIGCONT); the pages are snapshot when it answered and watched after."""
     value = 0x5A
-    with decode_pages(count + 1, page_bytes) as (pages, dproc, _, session, addr):
+    if fence and not stall_decode:
+        raise ValueError("after_kill: fence=True needs stall_decode=True")
+    with decode_pages(count + 1, page_bytes) as (pages, dproc, dconn, session, addr):
         dsts = [addr + i * page_bytes for i in range(count)]
         warm = [addr + count * page_bytes]  # the last page: the handshake and connection, before the stall
         with peer(prefill_peer, session, page_bytes, value) as (wproc, conn):
@@ -154,9 +159,19 @@ def after_kill(count: int = 1024, page_bytes: int = 64 << 10, stall_s: float = 1
             assert wproc.exitcode == -signal.SIGKILL, wproc.exitcode
             at_death = pages.checksums()[:count]
             landed_at_death = int((pages.array[:count] == value).all(axis=1).sum())
+            fenced = None
             if stall_decode:
                 time.sleep(stall_s)
+                if fence:
+                    dconn.send("deregister")
                 os.kill(dproc.pid, signal.SIGCONT)
+                if fence:
+                    dereg_rc = _answer(dconn, "decode")
+                    at_fence = pages.checksums()[:count]
+                    after = watch(pages, at_fence + [0], watch_s)
+                    fenced = {"deregister_rc": dereg_rc,
+                              "pages_changed_before_fence": sum(a != b for a, b in zip(at_death, at_fence)),
+                              "pages_changed_after_fence": after["pages_changed"] - 1}
             late = watch(pages, at_death + [0], watch_s)  # index ``count`` (warm page) excluded below
         written = pages.array[:count] != POISON
         return {"warm_status": warm_rc, "pages": count, "unread_bytes_at_kill": unread,
@@ -164,7 +179,8 @@ def after_kill(count: int = 1024, page_bytes: int = 64 << 10, stall_s: float = 1
                 "pages_changed_after_death": late["pages_changed"] - 1,  # the warm page's fake snapshot
                 "last_change_s_after_death": late["last_change_s"] + (stall_s if stall_decode else 0.0)
                 if late["pages_changed"] > 1 else None,
-                "bytes_written_total": int(written.sum()), "stalled_s": stall_s if stall_decode else 0.0}
+                "bytes_written_total": int(written.sum()), "stalled_s": stall_s if stall_decode else 0.0,
+                "fence": fenced}
 
 
 def after_deregister(count: int = 16, page_bytes: int = 64 << 10, reregister: bool = False,

@@ -28,6 +28,15 @@ def test_b_a_dead_writers_bytes_still_land_while_decode_is_stalled():
     assert r["last_change_s_after_death"] >= 1.0, r
 
 
+def test_b_deregistration_on_resume_is_a_fence_for_release():
+    """The same stall and kill, and decode deregisters its pages as its first act on resuming: the dead
+    writer's buffered bytes may land before the deregistration returns, but none lands after it — so
+    decode may release the pages once the deregistration returned (observed here; not a proof)."""
+    r = probes.after_kill(count=1024, page_bytes=64 << 10, stall_s=0.5, watch_s=1.0, fence=True)
+    assert r["unread_bytes_at_kill"] >= 64 << 10 and r["fence"]["deregister_rc"] == 0, r
+    assert r["fence"]["pages_changed_after_fence"] == 0, r
+
+
 def test_c_a_write_to_deregistered_memory_is_refused():
     r = probes.after_deregister(count=16, page_bytes=64 << 10)
     assert r["deregister_rc"] == 0, r
@@ -61,3 +70,10 @@ def test_d_a_killed_senders_messages_arrive_after_its_successors(pattern):
     assert r["per_incarnation"] == {"1": 3000, "2": 3000} and r["received"] == 6000, r  # nothing lost
     assert (r["out_of_order"], r["duplicates"], r["gaps"]) == (0, 0, 0), r
     assert r["old_after_new"] > 0, r
+
+
+def test_the_probe_command_names_its_choices():
+    from pd.abort.real.__main__ import main
+
+    with pytest.raises(SystemExit, match=r"expected any of \['a', 'b'.*got \['z'\]"):
+        main(["z"])
