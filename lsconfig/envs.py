@@ -52,8 +52,10 @@ def sglang_plugin_enabled() -> bool:
 
 
 def sglang_scratch_tokens() -> int:
-    """``LAYERSPLIT_SGLANG_SCRATCH_TOKENS``: rows of each of the plug-in's two KV staging slots
-    (default 131072, a 128k-token batch; a larger batch grows them, logged)."""
+    """``LAYERSPLIT_SGLANG_SCRATCH_TOKENS``: the minimum rows of each of the plug-in's two KV staging
+    slots (default 131072, a 128k-token batch). Each slot also holds at least one whole context, and is
+    allocated once at start-up inside SGLang's KV budget; a batch whose pages do not fit waits for the
+    next one (admission), it never grows the slots."""
     raw = os.environ.get("LAYERSPLIT_SGLANG_SCRATCH_TOKENS", "131072").strip()
     try:
         value = int(raw)

@@ -128,9 +128,6 @@ def after_init_forward_metadata(result, backend, forward_batch, *args, **kwargs)
     return None
 
 
-# the name helper B's test_sglang_syncs.py calls (it tells the pool the pages the same way)
-before_init_forward_metadata = give_batch_pages
-
 
 def before_out_graph_metadata(backend, *args, **kwargs):
     """HookRegistry BEFORE hook on ``init_forward_metadata_out_graph`` (CUDA-graph capture and

@@ -436,8 +436,8 @@ def _decode_receives(world: int, pages: list[int], remap: dict[int, int], kv_dty
     into one decode-side SGLang pool (all layers)."""
     import random
 
-    from pd.sim import EventLoop
-    from pd.transfer_engine import EngineFaults, TransferEngine, WriteTag
+    from pd.abort.sim import EventLoop
+    from pd.abort.transfer_engine import EngineFaults, TransferEngine, WriteTag
 
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()

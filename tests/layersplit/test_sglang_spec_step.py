@@ -29,10 +29,10 @@ from layersplit.sglang_plugin.monitor import TARGET as COMPLETION_TARGET  # noqa
 from layersplit.sglang_plugin.monitor import MetaInfoMonitor  # noqa: E402
 from layersplit.sglang_plugin.spec_drive import (  # noqa: E402
     VerifyDriver, completion_time_meta, make_req, run_request, spec_published, stream_chunk)
-from pd.monitor_config import load_monitor_config  # noqa: E402
-from pd.replay import load_records, replay, summarize  # noqa: E402
-from pd.spec_eval import make_traces  # noqa: E402
-from pd.spec_monitor import GARBLED, HEALTHY, REPETITION, SpecMonitor  # noqa: E402
+from pd.spec.monitor_config import load_monitor_config  # noqa: E402
+from pd.spec.replay import load_records, replay, summarize  # noqa: E402
+from pd.spec.evaluate import make_traces  # noqa: E402
+from pd.spec.monitor import GARBLED, HEALTHY, REPETITION, SpecMonitor  # noqa: E402
 
 CFG = load_monitor_config()
 DRAFT = 4

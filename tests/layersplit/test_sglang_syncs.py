@@ -99,7 +99,7 @@ def test_one_forward_has_no_host_syncs(monkeypatch):
     metadata = _Metadata(page_table_1=table, page_table_1_flattened=table[0], real_page_table=table[:, ::PAGE] // PAGE)
     with published(world=2), SyncCounter() as guard:
         guard.device(*device_side, table)
-        batch_hook.before_init_forward_metadata(backend, forward_batch)
+        batch_hook.give_batch_pages(backend, forward_batch)
         reads = forward_layers(pool, seed=4)
         remapped = landing.remap_metadata(metadata, pool)
     assert guard.syncs == [], list(zip(guard.syncs, guard.where))
@@ -128,15 +128,15 @@ def test_cuda_graph_capture_and_replay_take_upstreams_path(monkeypatch, caplog):
     batch_hook._logged.clear()
     caplog.set_level(logging.INFO, logger=batch_hook.__name__)
     with published(world=2):
-        batch_hook.before_init_forward_metadata(backend, forward_batch)
+        batch_hook.give_batch_pages(backend, forward_batch)
         assert pool.forward_pages is not None
         monkeypatch.setattr(batch_hook, "stream_capturing", lambda: True)
-        batch_hook.before_init_forward_metadata(backend, forward_batch)
-        batch_hook.before_init_forward_metadata(backend, forward_batch)
+        batch_hook.give_batch_pages(backend, forward_batch)
+        batch_hook.give_batch_pages(backend, forward_batch)
         assert pool.forward_pages is None
         assert sum("capturing a CUDA graph" in r.getMessage() for r in caplog.records) == 1
         monkeypatch.setattr(batch_hook, "stream_capturing", lambda: False)
-        batch_hook.before_init_forward_metadata(backend, forward_batch)
+        batch_hook.give_batch_pages(backend, forward_batch)
         assert pool.forward_pages is not None
         batch_hook.before_out_graph_metadata(backend, forward_batch, in_capture=False)  # a replay
         assert pool.forward_pages is None
