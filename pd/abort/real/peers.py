@@ -61,3 +61,25 @@ def prefill_peer(conn, session: str, page_bytes: int, value: int) -> None:
         else:
             raise ValueError(f"prefill peer: expected write/sync/exit, got {op!r}")
         conn.send(("status", rc, time.monotonic()))
+
+
+def done_peer(addresses: dict[str, str], local: str, endpoint: str, count: int) -> None:
+    """A prefill endpoint over :class:`ZmqChannel`: answers each of ``count`` ``TransferRequest``s with
+    a ``TransferDone`` of the same request, then exits."""
+    from pd.abort.messages import TransferDone, TransferRequest
+    from pd.abort.real.zmq_channel import ZmqChannel
+
+    channel = ZmqChannel(addresses, local)
+    answered = []
+
+    def handle(msg, src):
+        assert isinstance(msg, TransferRequest), msg
+        channel.send(endpoint, src, TransferDone(msg.rid, msg.room, peer=int(endpoint[-1]),
+                                                 incarnation=msg.incarnation, decode_life=msg.decode_life))
+        answered.append(msg.rid)
+
+    channel.register(endpoint, handle)
+    deadline = time.monotonic() + 30
+    while len(answered) < count and time.monotonic() < deadline:
+        channel.pump(0.1)
+    channel.close()
