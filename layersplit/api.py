@@ -24,6 +24,8 @@ def plan_capacity(model: str = "glm-5", hardware: str = "h200", *, cp: int = 8, 
     unknown = sorted(set(options) - set(PlanRequest.__dataclass_fields__) - {"cp"})
     if unknown:
         raise TypeError(f"plan_capacity: unexpected option(s) {unknown}; expected fields of PlanRequest")
+    if isinstance(cp, bool) or not isinstance(cp, int) or cp < 1:
+        raise ValueError(f"cp: expected an integer >= 1, got {cp!r}")
     return capacity_plan(load_model(model), load_hardware(hardware), PlanRequest(cp=cp, **options))
 
 

@@ -47,3 +47,12 @@ def test_fp8_is_refused_for_the_measured_engine(tmp_path):
     path.write_text(yaml.safe_dump(cfg))
     with pytest.raises(ValueError, match="field 'kv_dtype': expected one of .'bf16',. for the measured engine"):
         load_sweep(str(path))
+
+
+def test_api_arguments_checked_before_work():
+    from layersplit import plan_capacity
+
+    with pytest.raises(ValueError, match="cp: expected an integer >= 1, got True"):
+        plan_capacity("glm-5", "h200", cp=True)
+    with pytest.raises(ValueError, match="progress: expected a callable or None, got 5"):
+        sweep("glm5-h200", engine="model", progress=5)
