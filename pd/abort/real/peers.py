@@ -7,7 +7,11 @@ from __future__ import annotations
 
 import time
 
+import numpy as np
+
 from pd.abort.real.engine import Pages, fill, open_engine, register
+from pd.abort.real.landing import stamp
+from pd.abort.transfer_engine import WriteTag
 
 
 def decode_peer(conn, shm_name: str, count: int, page_bytes: int) -> None:
@@ -35,7 +39,8 @@ def prefill_peer(conn, session: str, page_bytes: int, value: int) -> None:
     """Writes pages of ``value`` to the decode peer. Commands: ``("write", [dst addrs])`` — one
     async batch, answered ``("submitted", t)`` then ``("status", rc, t)`` once the engine reports it
     (``get_batch_transfer_status`` blocks until done, 0, or failed / timed out, negative);
-    ``("sync", [dst addrs])`` the same through ``batch_transfer_sync_write``; ``exit``."""
+    ``("sync", [dst addrs])`` the same through ``batch_transfer_sync_write``; ``("stamped", [dst
+    addrs], [tags])`` an async batch of :func:`~pd.abort.real.landing.stamp` pages; ``exit``."""
     engine, _ = open_engine()
     sources = {}
     conn.send("ready")
@@ -44,12 +49,17 @@ def prefill_peer(conn, session: str, page_bytes: int, value: int) -> None:
         if cmd == "exit":
             conn.send(0)
             return
-        op, dsts = cmd
-        if len(dsts) not in sources:  # one registered source per batch size, every page the same value
-            src = fill(page_bytes * len(dsts), value)
-            register(engine, src.ctypes.data, src.nbytes)
-            sources[len(dsts)] = src
-        base = sources[len(dsts)].ctypes.data
+        op, dsts, *tags = cmd
+        if op == "stamped":  # landing-checker pages, one source per batch (kept: the engine reads it)
+            key, make = ("stamped", len(sources)), lambda: np.concatenate([stamp(page_bytes, WriteTag(*t))
+                                                                            for t in tags[0]])
+            op = "write"
+        else:  # one source per batch size, every page the same value
+            key, make = len(dsts), lambda: fill(page_bytes * len(dsts), value)
+        if key not in sources:
+            sources[key] = make()
+            register(engine, sources[key].ctypes.data, sources[key].nbytes)
+        base = sources[key].ctypes.data
         srcs = [base + i * page_bytes for i in range(len(dsts))]
         lengths = [page_bytes] * len(dsts)
         if op == "write":
