@@ -59,7 +59,8 @@ def run_pd(args: argparse.Namespace) -> int:
 
     if args.replay:
         return _replay(args, load_counterexample, replay, format_trace)
-    if args.save and not os.access(Path(args.save).resolve().parent, os.W_OK):
+    folder = Path(args.save).resolve().parent if args.save else None
+    if args.save and (not folder.is_dir() or not os.access(folder, os.W_OK)):
         raise ValueError(f"--save: expected a file in a writable folder, got {args.save!r}")  # before any work
     bounds = CheckBounds(prefill_ranks=args.prefill_ranks, requests=args.requests, faults=args.faults,
                          pages=args.pages, retries=args.retries, cancels=args.cancels, abort_sends=args.abort_sends,
