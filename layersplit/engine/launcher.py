@@ -7,6 +7,7 @@ the single-process path (one rank, redundant pool, no communication) the CP runs
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import signal
@@ -178,10 +179,8 @@ def run_cp(model: ModelConfig, scenarios: list[Scenario], cp: int, timeout_s: fl
         finally:
             for p in procs:  # after a failure or an interrupt the ranks are ended at once
                 if ok:
-                    try:
+                    with contextlib.suppress(subprocess.TimeoutExpired):  # still running after 30 s: killed below
                         p.wait(timeout=30)
-                    except subprocess.TimeoutExpired:
-                        pass
                 if p.poll() is None:
                     p.kill()
                     p.wait(timeout=5)
