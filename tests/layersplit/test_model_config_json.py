@@ -4,10 +4,9 @@ Fixtures: ``tests/layersplit/model_configs/`` (its README says where the key nam
 
 from __future__ import annotations
 
-import os
-
 import dataclasses
 import json
+import os
 from pathlib import Path
 
 import pytest
