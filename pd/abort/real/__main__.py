@@ -1,4 +1,4 @@
-"""``python -m pd.abort.real [a b b-fence c c-reregister d d-kill ...]``: run the probes of the
+"""``python -m pd.abort.real [a b b-fence c c-reregister d d-kill d-proxy ...]``: run the probes of the
 assumptions (issue 28, item 4) and print each result as one JSON line (all of them by default)."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import sys
 
-from pd.abort.real import probes, zmq_order
+from pd.abort.real import probes, proxy_order, zmq_order
 
 PROBES = {
     "a": lambda: probes.after_complete(),
@@ -17,6 +17,7 @@ PROBES = {
     "c-reregister": lambda: probes.after_deregister(reregister=True),
     "d": lambda: {p: zmq_order.order(p) for p in zmq_order.PATTERNS},
     "d-kill": lambda: {p: zmq_order.order(p, count=3000, kill_first_after=500) for p in zmq_order.PATTERNS},
+    "d-proxy": lambda: {f"seed {s}": proxy_order.order_through_proxy(seed=s) for s in (0, 1, 2)},
 }
 
 
