@@ -30,6 +30,11 @@ class ZmqChannel(Channel):
         self._inbox.bind(local)
         self._outboxes: dict[str, object] = {}
 
+    @property
+    def socket(self):
+        """The ROUTER messages arrive on (for an event loop's poller; ``pump`` reads it)."""
+        return self._inbox
+
     def register(self, endpoint: str, handler) -> None:
         if self.addresses.get(endpoint) != self.local:
             raise ValueError(f"endpoint {endpoint!r}: expected an address of {self.local!r}, "
