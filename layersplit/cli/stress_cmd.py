@@ -28,26 +28,34 @@ def add_parser(sub: argparse._SubParsersAction, int_at_least) -> None:
                    help="streams: CUDA where present (auto, default), the emulated runtime, or CUDA (fails without)")
     h.add_argument("--json", action="store_true", help="print the report as one JSON object")
     h.set_defaults(func=run_hicache)
-    d = which.add_parser("pd", help="prefill/decode abort storms (discrete-event simulation): safe release vs "
-                                     "the legacy immediate release, LayerSplit prefill ranks, lossy control plane")
+    d = which.add_parser("pd", help="prefill/decode abort storms (discrete-event simulation, or real processes "
+                                     "with --transport mooncake): safe release vs the legacy immediate release, "
+                                     "LayerSplit prefill ranks, lossy control plane")
+    d.add_argument("--transport", choices=("sim", "mooncake"), default="sim",
+                   help="sim: one process, virtual time (default); mooncake: decode and each prefill rank as OS "
+                        "processes on loopback, Mooncake TCP for the KV, ZMQ through a fault proxy, wall-clock "
+                        "seconds, SIGKILLs for --kill-rank / --prefill-down / --restart-decode (needs .[pd-real])")
     d.add_argument("--requests", type=int_at_least(1), default=10000, help="requests to run (default 10000)")
     d.add_argument("--seed", type=options.seed, default=0, help="seed of arrivals and faults (default 0)")
     d.add_argument("--prefill-cp", type=int_at_least(1), default=2,
                    help="prefill CP ranks; each writes only the layers it owns (LayerSplit contiguous plan)")
-    d.add_argument("--layers", type=int_at_least(1), default=61, help="decoder layers to split (default 61)")
+    d.add_argument("--layers", type=int_at_least(1), default=None,
+                   help="decoder layers to split (default 61; mooncake: one per rank, each a registered region)")
     d.add_argument("--drop", type=options.number_in(0, 1, high_open=True), default=0.05,
                    help="probability a control message is lost, in [0, 1) (default 0.05)")
-    d.add_argument("--duplicate", type=options.number_in(0, 1, high_open=True), default=0.05,
-                   help="probability a control message is re-sent later, in [0, 1) (default 0.05)")
+    d.add_argument("--duplicate", type=options.number_in(0, 1, high_open=True), default=None,
+                   help="probability a control message is re-sent later, in [0, 1) (default 0.05; sim only)")
     d.add_argument("--max-delay-s", type=options.number_in(0, 3600), default=0.02,
                    help="control message delay upper bound in virtual seconds (default 0.02)")
     d.add_argument("--cancel", type=options.number_in(0, 1), default=0.03,
                    help="probability a client cancels (some twice), in [0, 1] (default 0.03)")
-    d.add_argument("--restart-mean-s", type=options.number_in(0, 1e9), default=60.0,
-                   help="mean virtual seconds between crashes of each prefill rank (0: no restarts)")
+    d.add_argument("--restart-mean-s", type=options.number_in(0, 1e9), default=None,
+                   help="mean virtual seconds between crashes of each prefill rank (default 60; 0: no restarts; "
+                        "sim only)")
     d.add_argument("--kill-rank", type=_pd_kill, action="append", default=[], metavar="RANK@SECONDS",
                    help="crash a prefill rank for good at this virtual time (a dead peer: fenced after "
-                        "--fence-after-s); repeatable")
+                        "--fence-after-s); repeatable. mooncake: SIGKILL at this wall second, restarted as a new "
+                        "incarnation --restart-after-s later")
     d.add_argument("--partition", type=options.number_in(0, 1e6, low_open=True), default=None, metavar="SECONDS",
                    help="cut --outage-rank's control link at --outage-at for this long (its lease stays valid)")
     d.add_argument("--prefill-down", type=options.number_in(0, 1e6, low_open=True), default=None, metavar="SECONDS",
@@ -65,6 +73,14 @@ def add_parser(sub: argparse._SubParsersAction, int_at_least) -> None:
                    help="UNSAFE: switch a hardening guard off (pd.abort.guards; repeatable): expect the failure it closes")
     d.add_argument("--legacy-immediate-release", action="store_true",
                    help="UNSAFE: free an aborted request's pages at once (the old race)")
+    d.add_argument("--restart-after-s", type=options.number_in(0, 1e6), default=1.0,
+                   help="mooncake: a --kill-rank rank comes back this many seconds after its SIGKILL (default 1)")
+    d.add_argument("--page-bytes", type=int_at_least(17), default=16384,
+                   help="mooncake: bytes per KV page per layer (default 16384)")
+    d.add_argument("--out", default=None, metavar="DIR",
+                   help="mooncake: the run's folder (every process's stats, outcomes, logs; default a new temp dir)")
+    d.add_argument("--timeout-s", type=options.number_in(1, 1e6), default=900.0,
+                   help="mooncake: end the run after this many wall seconds (default 900)")
     d.add_argument("--json", action="store_true", help="print the report as one JSON object")
     d.set_defaults(func=run_pd)
     sh = which.add_parser("sglang-hicache", help="the plug-in's indexer-first HiCache load inside SGLang's own "
@@ -103,24 +119,77 @@ def _pd_config(args: argparse.Namespace):
     from layersplit.engine.ownership import plan_ownership
 
     check_names(args.guard_off)  # one clear error before any work
+    real = args.transport == "mooncake"
+    if real:
+        _real_only_faults(args)
     if args.outage_rank >= args.prefill_cp:
         raise ValueError(f"--outage-rank: expected a rank in [0, {args.prefill_cp - 1}], got {args.outage_rank}")
-    plan = plan_ownership(args.layers, args.prefill_cp, "contiguous")  # pd takes the ownership as plain data
+    layers = args.layers or (args.prefill_cp if real else 61)
+    plan = plan_ownership(layers, args.prefill_cp, "contiguous")  # pd takes the ownership as plain data
     outage = lambda seconds: ((args.outage_rank, args.outage_at, seconds),) if seconds else ()  # noqa: E731
     decode = decode_config_off(DecodeConfig(fence_after_s=args.fence_after_s or None), args.guard_off)
     return PDStressConfig(
         requests=args.requests, seed=args.seed, legacy_immediate_release=args.legacy_immediate_release,
         topology=PrefillTopology.of([plan.owned_layers(r) for r in range(args.prefill_cp)]),
-        channel=ChannelFaults(max_delay_s=args.max_delay_s, drop=args.drop, duplicate=args.duplicate),
-        cancel=args.cancel, restart_mean_s=args.restart_mean_s or None, kill=tuple(args.kill_rank),
+        channel=ChannelFaults(max_delay_s=args.max_delay_s, drop=args.drop,
+                              duplicate=0.05 if args.duplicate is None else args.duplicate),
+        cancel=args.cancel, restart_mean_s=60.0 if args.restart_mean_s is None else args.restart_mean_s or None,
+        kill=tuple(args.kill_rank),
         partition=outage(args.partition), outage=outage(args.prefill_down),
         restart_decode=tuple(args.restart_decode), misaddress=args.misaddress, decode=decode)
+
+
+def _real_only_faults(args: argparse.Namespace) -> None:
+    """--transport mooncake: refuse the simulation-only faults (one clear error before any process starts)."""
+    for flag, value in (("--duplicate", args.duplicate), ("--restart-mean-s", args.restart_mean_s),
+                        ("--misaddress", args.misaddress or None), ("--guard-off", args.guard_off or None)):
+        if value is not None:
+            raise ValueError(f"{flag}: expected it only with --transport sim (the real pair has no such fault), "
+                             f"got {value!r}")
+    args.duplicate, args.restart_mean_s = 0.0, 0.0
+
+
+def run_pd_real(args: argparse.Namespace) -> int:
+    """The storm on real processes (pd.abort.real.storm); exit codes as for the simulation."""
+    import tempfile
+    from pathlib import Path
+
+    cfg = _pd_config(args)
+    from pd.abort.real.engine import import_engine
+
+    try:
+        import_engine()
+    except ImportError as exc:
+        raise SystemExit(f"stress pd --transport mooncake: {exc}") from None
+    from pd.abort.real.process import RealRun
+    from pd.abort.real.storm import StormFaults, failures, run_real_storm
+
+    run_dir = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="pd-real-storm-"))
+    faults = StormFaults(drop=args.drop, max_delay_s=args.max_delay_s, restart_after_s=args.restart_after_s,
+                         timeout_s=args.timeout_s)
+    report = run_real_storm(RealRun(cfg, page_bytes=args.page_bytes), faults, run_dir)
+    report["note"] = "real processes on loopback (wall-clock seconds): Mooncake TCP for the KV, ZMQ via a fault proxy"
+    print(json.dumps(report) if args.json else "\n".join(f"{k:<28} {v}" for k, v in report.items()))
+    broken = failures(report)
+    if args.legacy_immediate_release:
+        if not report["overwrites"]:
+            print("warning: the legacy release showed no late write on real memory; run more --requests")
+            return 3
+        return 0
+    if broken:
+        import sys
+
+        print("FAILED: " + ", ".join(broken), file=sys.stderr)
+        return 1
+    return 0
 
 
 def run_pd(args: argparse.Namespace) -> int:
     from pd.abort.stress import failures, run_pd_stress
     from pd.abort.guards import guards_off
 
+    if args.transport == "mooncake":
+        return run_pd_real(args)
     cfg = _pd_config(args)
     with guards_off(args.guard_off):
         report = run_pd_stress(cfg)

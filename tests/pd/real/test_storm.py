@@ -55,3 +55,24 @@ def test_the_legacy_immediate_release_is_caught_on_real_memory(tmp_path):
     owners = {tuple(e["owner"]) for e in report["overwrite_log"] if e["owner"]}
     assert writers and not writers & owners  # each named the request that wrote it, never the page's owner
     assert report["acks"] == 0  # the legacy release waits for nothing
+
+
+@pytest.mark.parametrize("flag", [["--duplicate", "0.1"], ["--misaddress", "0.1"], ["--guard-off", "owners-only"],
+                                  ["--restart-mean-s", "5"]], ids=lambda f: f[0])
+def test_the_cli_refuses_simulation_only_faults_on_the_real_pair(flag, capsys):
+    from layersplit.cli.app import main
+
+    assert main(["stress", "pd", "--transport", "mooncake", *flag]) == 2
+    assert f"{flag[0]}: expected it only with --transport sim" in capsys.readouterr().err
+
+
+def test_the_cli_runs_a_small_real_storm(tmp_path, capsys):
+    import json
+
+    from layersplit.cli.app import main
+
+    assert main(["stress", "pd", "--transport", "mooncake", "--requests", "60", "--kill-rank", "0@0.5",
+                 "--out", str(tmp_path / "run"), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert report["final_outcomes"] == 60 and report["layers_by_rank"] == [[0], [1]]
+    assert (tmp_path / "run" / "report.json").exists() and (tmp_path / "run" / "outcomes.jsonl").exists()
