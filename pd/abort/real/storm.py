@@ -212,11 +212,13 @@ def run_real_storm(run: RealRun, faults: StormFaults, run_dir: Path) -> dict:
 
     run_dir.mkdir(parents=True, exist_ok=True)
     sup = Supervisor(run, faults, run_dir)
-    previous = signal.signal(signal.SIGTERM, _raise_interrupt)
+    previous = signal.getsignal(signal.SIGTERM)
+    if previous == signal.SIG_DFL:  # a caller's handler (the CLI's) is kept; it must raise, as this one does
+        signal.signal(signal.SIGTERM, _raise_interrupt)
     try:
         wall = sup.run_storm()
     finally:
-        sup.stop()
+        sup.stop()  # every process ends (SIGTERM, then SIGKILL), whatever ended the run
         signal.signal(signal.SIGTERM, previous)
     out = report(run, faults, run_dir, wall, sup.proxy.stats)
     (run_dir / "report.json").write_text(json.dumps(out, indent=1))

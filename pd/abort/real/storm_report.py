@@ -71,7 +71,8 @@ def report(run, faults, run_dir: Path, wall_s: float, proxy_stats: dict) -> dict
         "quarantined_pages_at_end": last.get("quarantined_pages_at_end", 0),
         "prefill_leaked_pages": sum(p["prefill_leaked_pages"] for p in newest.values()),
         "abort_to_release_s": percentiles(latencies),
-        **{k: sum_stat(k) for k in ("success", "aborts", "acks", "abort_sends", "abort_resends", "fences",
+        "decode_successes": sum_stat("success"),  # a dead life's successes still decoding were submitted again
+        **{k: sum_stat(k) for k in ("aborts", "acks", "abort_sends", "abort_resends", "fences",
                                     "released_by_fence", "quarantines", "old_life_messages", "stale_acks")},
         "aborts_by_reason": dict(sum((Counter(life["aborts_by_reason"]) for life in lives), Counter())),
         "memory": {k: sum(life["memory"][k] for life in lives) for k in ("deregistrations", "reregistrations")},
