@@ -47,6 +47,8 @@ def add_parser(sub: argparse._SubParsersAction, int_at_least) -> None:
                    help="probability a control message is re-sent later, in [0, 1) (default 0.05; sim only)")
     d.add_argument("--max-delay-s", type=options.number_in(0, 3600), default=0.02,
                    help="control message delay upper bound in virtual seconds (default 0.02)")
+    d.add_argument("--mean-arrival-s", type=options.number_in(0, 3600, low_open=True), default=0.015,
+                   help="mean seconds between request arrivals, exponential (default 0.015)")
     d.add_argument("--cancel", type=options.number_in(0, 1), default=0.03,
                    help="probability a client cancels (some twice), in [0, 1] (default 0.03)")
     d.add_argument("--restart-mean-s", type=options.number_in(0, 1e9), default=None,
@@ -134,7 +136,7 @@ def _pd_config(args: argparse.Namespace):
         channel=ChannelFaults(max_delay_s=args.max_delay_s, drop=args.drop,
                               duplicate=0.05 if args.duplicate is None else args.duplicate),
         cancel=args.cancel, restart_mean_s=60.0 if args.restart_mean_s is None else args.restart_mean_s or None,
-        kill=tuple(args.kill_rank),
+        kill=tuple(args.kill_rank), mean_arrival_s=args.mean_arrival_s,
         partition=outage(args.partition), outage=outage(args.prefill_down),
         restart_decode=tuple(args.restart_decode), misaddress=args.misaddress, decode=decode)
 
