@@ -1,5 +1,5 @@
-"""``python -m pd.abort.real [a b b-fence c c-reregister d d-kill d-proxy ...]``: run the probes of the
-assumptions (issue 28, item 4) and print each result as one JSON line (all of them by default)."""
+"""``python -m pd.abort.real [a a-timeout b b-fence c c-reregister d d-kill d-proxy ...]``: run the probes
+of the assumptions (issue 28, item 4) and print each result as one JSON line (all of them by default)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from pd.abort.real import probes, proxy_order, zmq_order
 
 PROBES = {
     "a": lambda: probes.after_complete(),
+    "a-timeout": lambda: probes.after_timeout(),
     "b": lambda: probes.after_kill(),
     "b-running": lambda: probes.after_kill(stall_decode=False, kill_after_s=0.0, count=2048),
     "b-fence": lambda: probes.after_kill(fence=True),

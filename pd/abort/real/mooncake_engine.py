@@ -7,8 +7,16 @@ through — the interface of :class:`pd.abort.transfer_engine.TransferEngine` (`
 rank's registered source pool into decode's registered KV regions; a small pool of threads waits on
 ``get_batch_transfer_status`` (it blocks, with the GIL released) and hands each result to the event
 loop through a pipe, so every callback runs on the loop's thread. A batch's status is final: the
-engine reports a batch complete only once every byte landed (measured, probe (a)), so ``done`` and
-``failed`` both quiesce it.
+engine reports a batch complete only once every byte landed (measured, probe (a)), so ``done`` and a
+failure (a refused write, a dead peer: reported within about a second) both quiesce it.
+
+**A timed-out status is not a quiescence.** ``get_batch_transfer_status`` gives up after Mooncake's
+transfer timeout (``MC_TRANSFER_TIMEOUT``, 30 s by default, at least 5) and returns -1 while the
+batch still runs; its bytes land later (measured, probe ``a-timeout``: 255 of 256 pages landed after the
+report), and no later call says when they stop. So a timed-out batch is reported ``failed`` but never
+quiesced — its request's abort is never acknowledged by this process — and ``on_timeout`` is called:
+the process must die (its rank then comes back as a new incarnation, which decode admits only after
+fencing the old one by address, below). ``unsafe_quiesce_on_timeout`` (UNSAFE, for the test) quiesces it.
 
 :class:`DecodeMemory` is decode's side: per-layer KV buffers laid out like SGLang's (one registered
 region per layer, ``num_pages`` pages of ``page_bytes``), and the fence.
@@ -34,6 +42,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import os
+import re
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Hashable
@@ -43,6 +52,18 @@ import numpy as np
 from pd.abort.real.engine import POISON, register
 from pd.abort.real.landing import stamp
 from pd.abort.transfer_engine import WriteTag
+
+
+TIMEOUT_MARGIN_S = 0.25  # a status this close to the transfer timeout is the timeout's
+
+
+def transfer_timeout_s() -> float:
+    """Mooncake's wait limit in ``get_batch_transfer_status``, as its Python binding reads it."""
+    value = os.environ.get("MC_TRANSFER_TIMEOUT")
+    if not value:
+        return 30.0
+    digits = re.match(r"\s*[+-]?\d+", value)  # C's atoi: the leading integer, 0 when there is none
+    return float(max(5, int(digits.group()) if digits else 0))
 
 
 @dataclass(frozen=True)
@@ -107,6 +128,10 @@ class DecodeMemory:
             self.stats["reregistrations"] += 1
 
 
+class _NoLayout(Exception):
+    """A write names a decode life that published no layout (none is sent)."""
+
+
 @dataclass(eq=False)
 class _Batch:
     owner: Hashable
@@ -122,8 +147,11 @@ class MooncakeEngine:
     :class:`~pd.abort.real.wall_loop.WallLoop`; completions are drained on its thread."""
 
     def __init__(self, loop, engine, layout: Callable[[int], DecodeLayout | None], source_pages: int,
-                 page_bytes: int, status_threads: int = 4) -> None:
+                 page_bytes: int, status_threads: int = 4, on_timeout: Callable[[int], None] | None = None,
+                 unsafe_quiesce_on_timeout: bool = False) -> None:
         self.loop, self.engine, self.layout, self.page_bytes = loop, engine, layout, page_bytes
+        self.on_timeout, self.unsafe_quiesce_on_timeout = on_timeout, unsafe_quiesce_on_timeout
+        self.timeout_s = transfer_timeout_s()
         self.sources = np.full((source_pages, page_bytes), POISON, np.uint8)
         register(engine, self.sources.ctypes.data, self.sources.nbytes)
         self._status: dict[int, str] = {}
@@ -138,7 +166,7 @@ class MooncakeEngine:
         loop.add_source(self._wake_r, self.drain)
         self.fenced_upto: int | None = None
         self.stats = {"batches": 0, "writes": 0, "errors": 0, "post_failures": 0, "fenced_refused": 0,
-                      "fenced_landed": 0, "status_s_max": 0.0}
+                      "fenced_landed": 0, "timeouts": 0, "status_s_max": 0.0}
 
     # posting ------------------------------------------------------------------------------------------
     def post(self, pages: list, tags: list[WriteTag], payloads: list, on_status: Callable[[int, str], None],
@@ -162,13 +190,13 @@ class MooncakeEngine:
                 self.sources[slot] = stamp(self.page_bytes, tag)
                 where = self.layout(tag.life)
                 if where is None:
-                    raise LookupError(f"decode life {tag.life} has no published layout")
+                    raise _NoLayout(tag.life)
                 for layer in layers:
                     srcs.append(self.sources[slot].ctypes.data)
                     dsts.append(where.address(page, layer))
             handle = self.engine.batch_transfer_async_write(where.session, srcs, dsts, [self.page_bytes] * len(srcs)) \
                 if srcs else None
-        except LookupError:  # no layout for the life: nothing is sent
+        except _NoLayout:  # no layout for the life: nothing is sent
             srcs, handle = [None], 0
         self._batches[batch].writes = len(srcs)
         if not srcs:
@@ -200,8 +228,11 @@ class MooncakeEngine:
         return done
 
     def _complete(self, batch: int, rc: int) -> None:
+        waited = time.monotonic() - self._batches[batch].posted_at
+        self.stats["status_s_max"] = max(self.stats["status_s_max"], waited)
+        if rc < 0 and waited >= self.timeout_s - TIMEOUT_MARGIN_S and not self.unsafe_quiesce_on_timeout:
+            return self._timed_out(batch)
         record = self._batches.pop(batch)
-        self.stats["status_s_max"] = max(self.stats["status_s_max"], time.monotonic() - record.posted_at)
         if rc == 0:
             self.stats["writes"] += record.writes
         else:
@@ -213,6 +244,15 @@ class MooncakeEngine:
         record.on_quiesced(batch)  # reported = every byte landed or none will (probe a)
         if self._drain_waiters and not self._in_flight[record.owner]:
             self._wake_drained()
+
+    def _timed_out(self, batch: int) -> None:
+        """Mooncake gave up waiting, not the batch: report it failed, keep it in flight for good."""
+        self.stats["timeouts"] += 1
+        if self._status[batch] == "pending":
+            self._status[batch] = "failed"
+            self._batches[batch].on_status(batch, "failed")
+        if self.on_timeout is not None:
+            self.on_timeout(batch)
 
     # the rest of the interface --------------------------------------------------------------------------
     def fail(self, batch: int) -> None:

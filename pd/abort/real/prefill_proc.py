@@ -29,7 +29,9 @@ class PrefillProcess(Process):
         self.rank, self.incarnation, self.endpoint = self.me["rank"], self.me["incarnation"], self.me["endpoint"]
         self._layouts: dict[int, object] = {}
         engine, _ = open_engine()
-        self.engine = MooncakeEngine(self.loop, engine, self._layout, cfg.prefill.source_pages, self.run.page_bytes)
+        self.engine = MooncakeEngine(self.loop, engine, self._layout, cfg.prefill.source_pages, self.run.page_bytes,
+                                     on_timeout=self._timed_out)
+        self.exit_code = 0  # 3: decode fenced this process; 4: a batch timed out (both: come back as a new one)
         self.registry = RegistryClient(self.loop, self.channel, self.endpoint, len(cfg.topology.ranks),
                                        self.run.heartbeat_s)
         self.node = PrefillNode(self.rank, self.loop, replace(cfg.prefill, compute_seed=cfg.seed), self.engine,
@@ -38,7 +40,7 @@ class PrefillProcess(Process):
             self.node.alive, self.node.incarnation = False, self.incarnation - 1
             self.node.restart()
         assert self.node.incarnation == self.incarnation, (self.node.incarnation, self.incarnation)
-        self.revoked = False
+        self.must_exit = False
         self.channel.register(self.endpoint, self.node.handle)
         self.channel.register(f"bootstrap{self.rank}", self._bootstrap)
 
@@ -50,7 +52,12 @@ class PrefillProcess(Process):
 
         assert isinstance(msg, Revoked), msg
         if msg.incarnation == self.incarnation:
-            self.revoked = True  # decode fenced this process: exit, the supervisor starts a new one
+            self.must_exit, self.exit_code = True, 3  # decode fenced this process: exit, a new one starts
+
+    def _timed_out(self, batch: int) -> None:
+        """A batch may still be landing and nothing will say when it stops: only this process's death
+        (and decode's fence by address when its successor registers) ends it."""
+        self.must_exit, self.exit_code = True, 4
 
     def _layout(self, life: int):
         """Decode life ``life``'s session and regions (published before it sent anything)."""
@@ -64,7 +71,7 @@ class PrefillProcess(Process):
     def _settled(self) -> bool:
         """Asked to stop: wait (at most ``DRAIN_S``) until no write is in flight and no source page is
         allocated — an aborted request's forward may still be running — so what is left is a leak."""
-        if self.revoked:
+        if self.must_exit:
             return True
         if not self.stopping:
             return False
@@ -76,14 +83,15 @@ class PrefillProcess(Process):
         self.ready()
         rc = self.serve(stop=self._settled, stop_on_signal=False)
         self.engine.close()
-        return 3 if self.revoked else rc
+        return self.exit_code or rc
 
     def report(self) -> dict:
         node = self.node
         records = list(node.book.records.values()) + node.queue + list(node.orphans)
         held = {p for rec in records for p in rec.sources}
         return {"role": "prefill", "rank": self.rank, "incarnation": self.incarnation, "serving": node.up,
-                "revoked": self.revoked, "stats": node.stats, "engine": self.engine.stats,
+                "must_exit": self.must_exit, "exit_code": self.exit_code, "stats": node.stats,
+                "engine": self.engine.stats,
                 "in_flight": self.engine.in_flight(lambda owner: True),
                 "source_stale_reads": len(node.kv.stale_reads), "bad_frees": len(node.kv.bad_frees),
                 "prefill_leaked_pages": sum(1 for p, tag in enumerate(node.kv.owner)

@@ -6,6 +6,7 @@ snapshots, so it sees every byte that lands — after the engine reported the ba
 is dead, after decode deregistered the buffer — whether or not decode is running.
 
     (a) ``after_complete``: does any byte land after ``get_batch_transfer_status`` returned 0?
+    (a') ``after_timeout``: and after it gave up (-1, Mooncake's transfer timeout) on a stalled decode?
     (b) ``after_kill``: once the writer is SIGKILLed and reaped, can its bytes still land? For how long?
     (c) ``after_deregister``: a write aimed at memory decode has deregistered (or re-registered).
 """
@@ -207,3 +208,49 @@ def after_deregister(count: int = 16, page_bytes: int = 64 << 10, reregister: bo
         alive = dproc.is_alive()
         return {"deregister_rc": dereg_rc, "reregister_rc": rereg_rc, "write_status": rc,
                 "pages_changed": seen["pages_changed"], "landed": _landed(pages, value), "decode_alive": alive}
+
+
+@contextmanager
+def transfer_timeout(seconds: int):
+    """Mooncake's ``MC_TRANSFER_TIMEOUT`` for the engines created inside (its binding reads it then)."""
+    saved = os.environ.get("MC_TRANSFER_TIMEOUT")
+    os.environ["MC_TRANSFER_TIMEOUT"] = str(seconds)
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop("MC_TRANSFER_TIMEOUT")
+        else:
+            os.environ["MC_TRANSFER_TIMEOUT"] = saved
+
+
+def after_timeout(count: int = 256, page_bytes: int = 64 << 10, timeout_s: int = 5, watch_s: float = 1.0) -> dict:
+    """(a') Decode is SIGSTOPped while this process (the writer, transfer timeout ``timeout_s``) waits on
+    a batch of ``count`` pages: the status gives up after the timeout; decode is continued and its
+    pages watched. A second wait on the same batch is timed too."""
+    from pd.abort.real.engine import fill, open_engine, register
+
+    value = 0x66
+    with decode_pages(count + 1, page_bytes) as (pages, dproc, _, session, addr):
+        with transfer_timeout(timeout_s):
+            engine, _ = open_engine()
+        source = fill(page_bytes * count, value)
+        register(engine, source.ctypes.data, source.nbytes)
+        warm = engine.batch_transfer_sync_write(session, [source.ctypes.data], [addr + count * page_bytes],
+                                                [page_bytes])
+        os.kill(dproc.pid, signal.SIGSTOP)
+        start = time.monotonic()
+        handle = engine.batch_transfer_async_write(session, [source.ctypes.data + i * page_bytes for i in range(count)],
+                                                   [addr + i * page_bytes for i in range(count)], [page_bytes] * count)
+        rc = engine.get_batch_transfer_status([handle])
+        waited = time.monotonic() - start
+        at_report = pages.checksums()
+        landed_at_report = _landed(pages, value) - 1  # the warm page
+        again = time.monotonic()
+        rc_again = engine.get_batch_transfer_status([handle])
+        again = time.monotonic() - again
+        os.kill(dproc.pid, signal.SIGCONT)
+        late = watch(pages, at_report, watch_s)
+        return {"warm_status": warm, "status": rc, "waited_s": round(waited, 3), "pages": count,
+                "landed_at_report": landed_at_report, "second_status": rc_again, "second_wait_s": round(again, 3),
+                "pages_changed_after_report": late["pages_changed"], "landed_in_the_end": _landed(pages, value) - 1}

@@ -182,9 +182,10 @@ class Supervisor:
         for endpoint, proc in list(self.procs.items()):
             if proc.poll() is None:
                 continue
-            if endpoint.startswith("prefill") and proc.returncode == 3:  # decode fenced it: come back as new
-                rank = int(endpoint[len("prefill"):])
-                self._event("revoked_exit", process=f"{endpoint}-i{self.incarnation[rank]}")
+            if endpoint.startswith("prefill") and proc.returncode in (3, 4):  # fenced, or a batch timed out:
+                rank = int(endpoint[len("prefill"):])                          # it comes back as a new one
+                self._event("revoked_exit" if proc.returncode == 3 else "timeout_exit",
+                            process=f"{endpoint}-i{self.incarnation[rank]}")
                 self.incarnation[rank] += 1
                 self.start_prefill(rank, wait_ready=False)
             elif proc.returncode != -signal.SIGKILL and not (endpoint == "decode" and proc.returncode == 0):
