@@ -4,7 +4,7 @@ deliveries, faults and cancels within :class:`CheckBounds`, every state checked 
 invariants and every terminal state against the liveness ones (:mod:`pd.abort.check.invariants`)."""
 
 from pd.abort.check.bounds import CheckBounds
-from pd.abort.check.explorer import replay, run_check
+from pd.abort.check.explorer import replay, run_check, shortest
 from pd.abort.check.trace import format_trace, load_counterexample, save_counterexample
 
-__all__ = ["CheckBounds", "run_check", "replay", "format_trace", "save_counterexample", "load_counterexample"]
+__all__ = ["CheckBounds", "run_check", "shortest", "replay", "format_trace", "save_counterexample", "load_counterexample"]

@@ -22,7 +22,8 @@ class CheckBounds:
     may fire per room; channel_capacity: messages in flight per endpoint pair
     (executions beyond it are not explored). max_states / timeout_s stop the run early (``complete``
     is then false). ``legacy`` and ``guards_off``: the UNSAFE protocol variants (see ``pd.abort.guards``).
-    ``symmetry`` / ``stale_events``: the reductions (both off: the exhaustive cross-check)."""
+    ``symmetry`` / ``stale_events`` / ``por``: the reductions (all off: the exhaustive cross-check);
+    ``max_depth``: explore no deeper (what a re-run for the shortest counterexample uses; None: no limit)."""
 
     prefill_ranks: int = 2
     requests: int = 2
@@ -40,6 +41,8 @@ class CheckBounds:
     fault_kinds: tuple[str, ...] = FAULT_KINDS
     symmetry: bool = True  # merge states equal up to a renaming of prefill ranks and of request ids
     stale_events: bool = True  # neither fire nor hash pending events that can change nothing (pd.abort.check.stale)
+    por: bool = True  # partial-order reduction: persistent sets of one rank's local steps (pd.abort.check.por)
+    max_depth: int | None = None
 
     def __post_init__(self) -> None:
         for name, low in (("prefill_ranks", 1), ("requests", 1), ("faults", 0), ("pages", 1), ("retries", 0),
@@ -47,6 +50,9 @@ class CheckBounds:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
                 raise ValueError(f"{name}: expected an integer >= {low}, got {value!r}")
+        if self.max_depth is not None and (not isinstance(self.max_depth, int) or isinstance(self.max_depth, bool)
+                                           or self.max_depth < 0):
+            raise ValueError(f"max_depth: expected an integer >= 0 or None, got {self.max_depth!r}")
         if not self.timeout_s > 0:
             raise ValueError(f"timeout_s: expected seconds > 0, got {self.timeout_s!r}")
         object.__setattr__(self, "guards_off", check_names(tuple(self.guards_off)))

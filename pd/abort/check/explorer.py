@@ -1,9 +1,13 @@
 """Breadth-first explicit-state exploration of the PD abort protocol, over the protocol's own code.
 
-Each state is a pickled :class:`~pd.abort.check.world.World`; every enabled action is applied to a fresh copy,
-the result hashed (:mod:`pd.abort.check.state`) and, if new, checked (:mod:`pd.abort.check.invariants`) and queued.
-Breadth-first, so the first violation found has a shortest trace. A state in which nothing is owed any
+Each state is a pickled :class:`~pd.abort.check.world.World`; every enabled action is applied to a fresh copy
+(the last one to the state itself, which is then spent), the result hashed (:mod:`pd.abort.check.hashing`) and,
+if new, checked (:mod:`pd.abort.check.invariants`) and queued. Where the partial-order reduction applies
+(:mod:`pd.abort.check.por`) only a persistent set of actions is expanded. A state in which nothing is owed any
 more (no pending event, no message in flight) is terminal and must also pass the liveness checks.
+Breadth-first, so without the partial-order reduction the first violation found has a shortest trace (with
+it, ``shortest`` says whether that still holds). A transition is stored as its action, not its label:
+the labels of a counterexample are rendered at the end, by replaying its actions from the initial state.
 """
 
 from __future__ import annotations
@@ -12,80 +16,168 @@ import contextlib
 import logging
 import pickle
 import time
-from functools import partial
+from dataclasses import replace
 
 from pd.abort.check.bounds import CheckBounds
+from pd.abort.check.hashing import Hasher
 from pd.abort.check.invariants import terminal_violations, violations
+from pd.abort.check.por import persistent_set
 from pd.abort.check.state import fingerprint
 from pd.abort.check.world import apply, build_world, enabled, label, owed
 from pd.abort.guards import guards_off
 
-
 _T0 = [0.0]  # the running check's start (for states/s)
+_PICKLE = pickle.HIGHEST_PROTOCOL
 
 
-def run_check(bounds: CheckBounds, classes: set | None = None) -> dict:
+def run_check(bounds: CheckBounds, classes: set | None = None, terminal_classes: set | None = None) -> dict:
     """Explore every interleaving within ``bounds``; returns the JSON-ready result (``violations`` empty
-    when none was found; else ``counterexample`` holds the shortest trace, one label per step).
-    ``classes``: if given, filled with the class of every state explored (its fingerprint under every
-    reduction) — what the cross-check compares between a reduced and an unreduced run."""
+    when none was found; else ``counterexample`` holds the trace, one label per step — a shortest one
+    when ``shortest``). ``classes`` / ``terminal_classes``: if given, filled with the class (the fingerprint
+    under symmetry and stale events) of every state / every terminal state explored — what the cross-checks
+    compare between a reduced and an unreduced run (the partial-order reduction keeps every terminal class,
+    not every state)."""
     start = _T0[0] = time.perf_counter()
     with guards_off(bounds.guards_off), _quiet():
-        result = _bfs(bounds, start, classes)
+        result = _Search(bounds, classes, terminal_classes).run(start)
     result["seconds"] = round(time.perf_counter() - start, 2)
     return result
 
 
-def _bfs(bounds: CheckBounds, start: float, classes: set | None) -> dict:
-    root = build_world(bounds)
-    hashed = partial(fingerprint, symmetry=bounds.symmetry, stale_events=bounds.stale_events)
-    parents: dict[int, tuple[int | None, str | None]] = {hashed(root): (None, None)}
-    frontier = [(hashed(root), pickle.dumps(root, pickle.HIGHEST_PROTOCOL))]
-    if classes is not None:
-        classes.add(fingerprint(root, symmetry=True, stale_events=True))
-    stats = {"transitions": 0, "terminal_states": 0, "pruned_by_channel_capacity": 0, "frontier_sizes": []}
-    depth, stopped = 0, None
-    while frontier and stopped is None:
-        stats["frontier_sizes"].append(len(frontier))
-        next_frontier = []
-        for fp, blob in frontier:
-            world = pickle.loads(blob)
-            actions = enabled(world)
-            if not owed(actions):
-                stats["terminal_states"] += 1
-                broken = terminal_violations(world)
-                if broken:
-                    return _found(bounds, stats, parents, depth, fp, None, broken)
-            labels = [label(world, a) for a in actions]
-            for action, text in zip(actions, labels):
-                child = pickle.loads(blob)
-                stats["transitions"] += 1
-                try:
-                    apply(child, action)
-                except Exception as exc:  # the implementation itself failed: a bug the trace reproduces
-                    return _found(bounds, stats, parents, depth + 1, fp, text, [f"exception: {exc!r}"])
-                if _over_capacity(child, bounds.channel_capacity):
-                    stats["pruned_by_channel_capacity"] += 1
-                    continue
-                child_fp = hashed(child)
-                if child_fp in parents:
-                    continue
-                parents[child_fp] = (fp, text)
-                if classes is not None:
-                    classes.add(fingerprint(child, symmetry=True, stale_events=True))
-                broken = violations(child)
-                if broken:
-                    return _found(bounds, stats, parents, depth + 1, child_fp, None, broken)
-                next_frontier.append((child_fp, pickle.dumps(child, pickle.HIGHEST_PROTOCOL)))
-            if len(parents) >= bounds.max_states:
-                stopped = f"max_states ({bounds.max_states})"
-                break
-            if time.perf_counter() - start > bounds.timeout_s:
-                stopped = f"timeout ({bounds.timeout_s} s)"
-                break
-        frontier = next_frontier
-        depth += bool(frontier)
-    return _result(bounds, stats, parents, depth, stopped, [], None)
+def shortest(bounds: CheckBounds, result: dict) -> dict:
+    """``result`` if its counterexample is a shortest one (or it has none); else the result of a re-run
+    without the partial-order reduction, no deeper than that counterexample: breadth-first over every
+    interleaving, so its first violation has a shortest trace."""
+    if result["shortest"] or not result["counterexample"]:
+        return result
+    depth = len(result["counterexample"]["trace"])
+    return run_check(replace(bounds, por=False, max_depth=depth))
+
+
+class _Search:
+    def __init__(self, bounds: CheckBounds, classes: set | None, terminal_classes: set | None) -> None:
+        self.bounds, self.classes, self.terminal_classes = bounds, classes, terminal_classes
+        self.hashed = Hasher(bounds.symmetry, bounds.stale_events)
+        self.parents: dict[int, tuple[int | None, tuple | None]] = {}  # fingerprint -> (parent's, action)
+        self.stats = {"transitions": 0, "terminal_states": 0, "pruned_by_channel_capacity": 0,
+                      "por_reduced_states": 0, "por_proviso_expansions": 0, "frontier_sizes": []}
+        self.next_frontier: list = []
+        self.next_fps: set[int] = set()  # fingerprints one level deeper than the states being expanded
+
+    def run(self, start: float) -> dict:
+        b, root = self.bounds, build_world(self.bounds)
+        root_fp = self.hashed(root)
+        self.parents[root_fp] = (None, None)
+        self._note(root, self.classes)
+        frontier = [(root_fp, pickle.dumps(root, _PICKLE))]
+        depth, stopped = 0, None
+        while frontier and stopped is None:
+            self.stats["frontier_sizes"].append(len(frontier))
+            self.next_frontier, self.next_fps = [], set()
+            for fp, blob in frontier:
+                found = self._expand(fp, blob, depth)
+                if found is not None:
+                    return self._result(depth + found[0], None, *found[1:])
+                if len(self.parents) >= b.max_states:
+                    stopped = f"max_states ({b.max_states})"
+                    break
+                if time.perf_counter() - start > b.timeout_s:
+                    stopped = f"timeout ({b.timeout_s} s)"
+                    break
+            frontier = self.next_frontier
+            if frontier and stopped is None and b.max_depth is not None and depth >= b.max_depth:
+                stopped, frontier = f"max_depth ({b.max_depth})", []
+            depth += bool(frontier)
+        return self._result(depth, stopped, [], None)
+
+    def _expand(self, fp: int, blob: bytes, depth: int):
+        """Expand one state; a violation found is returned as (depth offset, broken, trace end)."""
+        world = pickle.loads(blob)
+        actions = enabled(world)
+        if not owed(actions):
+            self.stats["terminal_states"] += 1
+            self._note(world, self.terminal_classes)
+            broken = terminal_violations(world)
+            if broken:
+                return 0, broken, (fp, None)
+        ample = persistent_set(world, actions) if self.bounds.por else None
+        if ample is not None:
+            outcome = self._children(fp, blob, None, ample, depth, proviso=True)
+            if not (isinstance(outcome, tuple) and outcome[0] == "expand"):
+                self.stats["por_reduced_states"] += 1
+                return outcome
+            self.stats["por_proviso_expansions"] += 1
+            done = ample[:outcome[1] + 1]  # applied already (their new children are in)
+            actions = [a for a in actions if a not in done]
+        return self._children(fp, blob, world, actions, depth, proviso=False)
+
+    def _children(self, fp, blob, world, actions, depth, proviso: bool):
+        """Apply each of ``actions`` to a copy (the last to ``world`` itself, if given). With ``proviso``:
+        return ("expand", i) as soon as the i-th child is pruned or an older state — one no deeper than
+        this one: the breadth-first cycle proviso (see pd.abort.check.por)."""
+        for i, action in enumerate(actions):
+            child = world if world is not None and i == len(actions) - 1 else pickle.loads(blob)
+            self.stats["transitions"] += 1
+            try:
+                apply(child, action)
+            except Exception as exc:  # the implementation itself failed: a bug the trace reproduces
+                return 1, [f"exception: {exc!r}"], (fp, action)
+            if _over_capacity(child, self.bounds.channel_capacity):
+                self.stats["pruned_by_channel_capacity"] += 1
+                if proviso:
+                    return "expand", i
+                continue
+            child_fp = self.hashed(child)
+            if child_fp in self.parents:
+                if proviso and child_fp not in self.next_fps:  # an edge back to depth <= this one's
+                    return "expand", i
+                continue
+            self.parents[child_fp] = (fp, action)
+            self._note(child, self.classes)
+            broken = violations(child)
+            if broken:
+                return 1, broken, (child_fp, None)
+            self.next_frontier.append((child_fp, pickle.dumps(child, _PICKLE)))
+            self.next_fps.add(child_fp)
+        return None
+
+    def _note(self, world, classes: set | None) -> None:
+        if classes is not None:
+            classes.add(fingerprint(world, symmetry=True, stale_events=True))
+
+    def _result(self, depth, stopped, broken, end) -> dict:
+        b, counterexample = self.bounds, None
+        if end is not None:
+            counterexample = {"violation": broken, "trace": _labels(b, self._path(*end))}
+        return {"bounds": b.to_dict(), "states": len(self.parents), "depth": depth, **self.stats,
+                "complete": stopped is None and not broken, "stopped": stopped,
+                "violations": [x.split(":")[0] for x in broken], "counterexample": counterexample,
+                "shortest": not self.stats["por_reduced_states"],
+                "states_per_s": round(len(self.parents) / max(time.perf_counter() - _T0[0], 1e-9), 1),
+                "reductions": ["symmetry: prefill ranks x request ids"] * b.symmetry
+                              + ["stale events neither fired nor hashed"] * b.stale_events
+                              + ["partial order: persistent sets of one rank's local steps"] * b.por,
+                "note": "explicit-state model check: every interleaving of pd's own protocol code within the "
+                        "bounds (up to the reductions listed, each of which keeps every violation and terminal "
+                        "state class)"}
+
+    def _path(self, fp: int, last: tuple | None) -> list[tuple]:
+        steps = [last] if last is not None else []
+        while self.parents[fp][0] is not None:
+            fp, action = self.parents[fp]
+            steps.append(action)
+        return steps[::-1]
+
+
+def _labels(bounds: CheckBounds, actions: list[tuple]) -> list[str]:
+    """The labels of ``actions`` replayed from the initial state (the search stores actions, not labels;
+    applying is deterministic, so the replay meets the very states the search expanded)."""
+    world, labels = build_world(bounds), []
+    for action in actions:
+        labels.append(label(world, action))
+        with contextlib.suppress(Exception):  # the last step may be the one that raised
+            apply(world, action)
+    return labels
 
 
 def _over_capacity(world, capacity: int) -> bool:
@@ -105,29 +197,6 @@ def _quiet():
         yield
     finally:
         logger.setLevel(level)
-
-
-def _found(bounds, stats, parents, depth, fp, last, broken) -> dict:
-    trace = _path(parents, fp) + ([last] if last else [])
-    return _result(bounds, stats, parents, depth, None, broken, {"violation": broken, "trace": trace})
-
-
-def _path(parents, fp) -> list[str]:
-    steps = []
-    while parents[fp][0] is not None:
-        fp, text = parents[fp]
-        steps.append(text)
-    return steps[::-1]
-
-
-def _result(bounds, stats, parents, depth, stopped, broken, counterexample) -> dict:
-    return {"bounds": bounds.to_dict(), "states": len(parents), "depth": depth, **stats,
-            "complete": stopped is None and not broken, "stopped": stopped,
-            "violations": [b.split(":")[0] for b in broken], "counterexample": counterexample,
-            "states_per_s": round(len(parents) / max(time.perf_counter() - _T0[0], 1e-9), 1),
-            "reductions": ["symmetry: prefill ranks x request ids"] * bounds.symmetry
-                          + ["stale events neither fired nor hashed"] * bounds.stale_events,
-            "note": "explicit-state model check: every interleaving of pd's own protocol code within the bounds"}
 
 
 def replay(bounds: CheckBounds, trace: list[str]) -> dict:

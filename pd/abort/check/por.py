@@ -1,0 +1,139 @@
+"""Partial-order reduction: a persistent set of one prefill rank's local steps, explored alone.
+
+**The set.** For prefill rank r, ``T_r(s)`` is every action enabled in s that *belongs* to r: a delivery
+into r (the head of decode->r, or a late duplicate to r), and r's own pending events — its forward pass
+finishing (``_computed``), its next batch post (``_post``), a restart, and its engine's events (a write
+landing, a batch failing or quiescing). The explorer expands ``T_r(s)`` instead of every enabled action
+when, for some r (the smallest such set is taken):
+
+1. **no fault can touch r** from s on: the fault budget is spent (``faults_used == faults``) or the kinds
+   allowed are only ``decode_restart`` (which changes decode alone). Faults share one budget, so a fault
+   is dependent on every other fault; with budget left, a crash / drop / fail / partition of r's parts could
+   be taken by a path outside the set and would not commute with r's steps;
+2. **every action of T_r(s) is local** to r: it reads and writes only r's process (book, queue, records,
+   source pages), the posting side of r's engine (new batches and write events: ``post`` reads no fence),
+   the head of the decode->r queue, the *tail* of the r->decode queue, ``floors_told`` of r and the
+   ``partitioned`` flag of r (read only). Concretely: deliveries into r and r's ``_computed`` / ``_post``,
+   and not a TransferRequest r might reject as late (that calls a tap that reads decode's request:
+   conservatively, any that is tombstoned or below max(r's floor, its own floor)). Not local: a write
+   landing (decode's page and page owner), a restart (the registry, hence decode), a heal (decode's sends);
+3. **the decode->r queue is not empty**. Its head delivery is then in T_r, and FIFO order means no other
+   message can be delivered into r (a reorder is a fault; late duplicates come only from a fault) by any
+   path that avoids T_r — a path outside T_r cannot start anything new on r.
+
+Then no action outside T_r, now or on any path from s that avoids T_r, is dependent on one in it: decode's
+steps touch decode, the registry, the fence of r's engine (which ``post`` does not read), and *push onto*
+decode->r or *pop* r->decode — a push and a pop of one FIFO commute and neither disables the other (nor, under
+the channel capacity, does the pop: it only makes room; r->decode is pushed by r alone); the other ranks'
+steps touch their own parts. Every shared counter the steps move (the event sequence, virtual time, page
+generations of another pool, channel statistics) is one the fingerprint ignores or names by appearance. So
+T_r(s) is **persistent** (Godefroid 1996, def. 4.1). It is also made of **owed** actions only.
+
+**What that preserves.**
+
+* *Terminal states* (no owed action: the liveness checks ``held_for_ever``, ``leak``): a path from s to one
+  must take an action of T_r (each stays enabled and owed off T_r), and the first such one commutes to the
+  front, so by induction on the path's length every terminal state reachable is reached.
+* *Safety violations.* Take a path from s to a first bad state b. If it takes an action of T_r, commute the
+  first to the front (shorter remaining path). If not, t(b) is reached from t(s) by the same actions, for t
+  in T_r, and **t(b) is still bad**: the only violations a local step of r could repair are r's own
+  (``prefill_window`` of r — a higher floor prunes a record below it —, r's source pages' stale reads,
+  bad frees and free list, a pending write of r's engine reading a freed source page), and none of those
+  can change on a path that avoids T_r (no delivery into r, by 3; no write of r's engine pending, by 2,
+  and none posted but by r; no crash, by 1) — they were fine in s, which was checked. Every other
+  invariant reads what a local step of r does not write, except the pending writes it *adds* (which can
+  break ``freed_while_writing``, never mend it).
+  The remaining path then has the same length, but the **cycle proviso** bounds how long that can go on:
+  a reduced state's successors in T_r must all be one level deeper than it (new, or found already at that
+  level), otherwise it is fully expanded. Along every cycle of the explored graph the breadth-first depth
+  cannot only rise, so each cycle has an edge to a state no deeper than its source, and that source was
+  fully expanded (Bosnacki & Holzmann's proviso for breadth-first search). The sequence of states the
+  argument follows would cycle, and at the fully expanded one the path shortens.
+  An exception raised by the protocol's code is found the same way (an action independent of t raises
+  after t as before it).
+* An action whose result is pruned by the channel capacity is not enabled (the pruned graph is the one
+  checked), and persistence there needs every action of T_r enabled: the explorer then expands fully too.
+
+**What it does not preserve: the shortest counterexample.** A violation found under the reduction may not
+be at the least depth (the reduced graph skips orders). The result says so (``shortest: false`` where a
+state was reduced); ``--shortest`` (or ``run_check(replace(bounds, por=False, max_depth=n))``) re-runs
+without it to that depth, which gives a breadth-first, hence shortest, trace.
+
+``unsound_independence`` (tests only) declares r's landing writes local — wrong, since a write reads decode's
+page owner — and drops condition 3 (so a later delivery into r is taken as independent of r's steps), so the
+cross-check that compares reduced and unreduced runs can show it would catch a bad entry.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator
+
+from pd.abort.messages import TransferRequest
+from pd.abort.prefill_side import PrefillNode
+
+_LOCAL_EVENTS = ("_computed", "_post")
+_UNSOUND = {"writes_local": False}
+
+
+@contextlib.contextmanager
+def unsound_independence() -> Iterator[None]:
+    """TEST ONLY: deliberately wrong independence (r's landing writes counted local, condition 3 dropped)."""
+    _UNSOUND["writes_local"] = True
+    try:
+        yield
+    finally:
+        _UNSOUND["writes_local"] = False
+
+
+def persistent_set(w, actions: list[tuple]) -> list[tuple] | None:
+    """The smallest ``T_r`` of the module docstring that is persistent in ``w``, or None (expand fully)."""
+    b = w.bounds
+    if w.faults_used < b.faults and not set(b.fault_kinds) <= {"decode_restart"}:
+        return None  # condition 1: a fault could still touch any rank
+    best = None
+    for rank, node in enumerate(w.cluster.prefills):
+        if not w.channel.queues.get(("decode", f"prefill{rank}")) and not _UNSOUND["writes_local"]:
+            continue  # condition 3
+        mine = [a for a in actions if _belongs(w, node, a)]
+        if mine and all(_local(w, node, a) for a in mine) and (best is None or len(mine) < len(best)):
+            best = mine
+    return best if best is not None and len(best) < len(actions) else None
+
+
+def _belongs(w, node: PrefillNode, a: tuple) -> bool:
+    kind = a[0]
+    if kind == "event":
+        target = getattr(_event(w, a)[2], "__self__", None)
+        return target is node or target is node.engine
+    if kind == "deliver":
+        return a[1][1] == f"prefill{node.peer}"
+    if kind == "late":
+        return w.channel.late[a[1]][0][1] == f"prefill{node.peer}"
+    return kind == "heal" and a[1] == node.peer  # faults: none is enabled under condition 1 but decode_restart
+
+
+def _local(w, node: PrefillNode, a: tuple) -> bool:
+    kind = a[0]
+    if kind == "event":
+        fn = _event(w, a)[2]
+        if fn.__self__ is node.engine:
+            return _UNSOUND["writes_local"] and fn.__name__ == "_write"
+        return fn.__name__ in _LOCAL_EVENTS
+    if kind == "deliver":
+        return not _may_reject_late(node, w.channel.queues[a[1]][a[2]])
+    if kind == "late":
+        return not _may_reject_late(node, w.channel.late[a[1]][1])
+    return False
+
+
+def _may_reject_late(node: PrefillNode, msg: object) -> bool:
+    """Could delivering ``msg`` to ``node`` reach the late-rejection tap (which reads decode's request)?
+    Conservative: a guard switched off only ever rejects less (or the same)."""
+    if not isinstance(msg, TransferRequest) or not node.up or msg.decode_life < node.decode_life:
+        return False
+    return msg.room in node.book.tombstones or msg.epoch < max(node.book.floor, msg.floor)
+
+
+def _event(w, a: tuple) -> tuple:
+    return next(e for e in w.cluster.loop.events() if e[1] == a[1])
