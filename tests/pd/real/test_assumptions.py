@@ -75,5 +75,5 @@ def test_d_a_killed_senders_messages_arrive_after_its_successors(pattern):
 def test_the_probe_command_names_its_choices():
     from pd.abort.real.__main__ import main
 
-    with pytest.raises(SystemExit, match=r"expected any of \['a', 'b'.*got \['z'\]"):
+    with pytest.raises(SystemExit, match=r"expected any of \['a', 'a-timeout', 'b'.*got \['z'\]"):
         main(["z"])
