@@ -2,8 +2,8 @@
 every interleaving of events, message deliveries, faults and cancels, over the protocol code the stress runs.
 
 Exit status: 0 no violation (and the bound explored completely, or stopped by --max-states/--timeout — the
-output says which), 1 a violation (the shortest counterexample is printed; ``--save`` writes it for
-``--replay``), 3 with an UNSAFE switch (``--legacy-immediate-release`` / ``--guard-off``) when no
+output says which), 1 a violation (the counterexample is printed — a shortest one unless the partial-order
+reduction was in force, see ``--shortest``; ``--save`` writes it for ``--replay``), 3 with an UNSAFE switch (``--legacy-immediate-release`` / ``--guard-off``) when no
 counterexample was found within the bounds.
 """
 
@@ -47,6 +47,13 @@ def add_parser(sub: argparse._SubParsersAction, int_at_least) -> None:
                    help="spend the fault budget only on these kinds (default: all): " + ", ".join(FAULT_KINDS))
     c.add_argument("--no-symmetry", action="store_true",
                    help="explore without the symmetry reduction (ranks x request ids): the exhaustive cross-check")
+    c.add_argument("--no-stale-events", action="store_true",
+                   help="explore without the stale-event reduction (fire and hash events that can change nothing)")
+    c.add_argument("--no-por", action="store_true",
+                   help="explore without the partial-order reduction (its counterexamples are then shortest)")
+    c.add_argument("--shortest", action="store_true",
+                   help="if the counterexample found under the partial-order reduction may not be a shortest one, "
+                        "re-run without it to that depth and report the shortest")
     c.add_argument("--save", default=None, metavar="FILE", help="write the counterexample (if any) as JSON")
     c.add_argument("--replay", type=options.readable_file, default=None, metavar="FILE",
                    help="replay a saved counterexample step by step instead of exploring (its bounds are used)")
@@ -55,7 +62,8 @@ def add_parser(sub: argparse._SubParsersAction, int_at_least) -> None:
 
 
 def run_pd(args: argparse.Namespace) -> int:
-    from pd.abort.check import CheckBounds, format_trace, load_counterexample, replay, run_check, save_counterexample
+    from pd.abort.check import (CheckBounds, format_trace, load_counterexample, replay, run_check, save_counterexample,
+                                shortest)
 
     if args.replay:
         return _replay(args, load_counterexample, replay, format_trace)
@@ -66,18 +74,22 @@ def run_pd(args: argparse.Namespace) -> int:
                          pages=args.pages, retries=args.retries, cancels=args.cancels, abort_sends=args.abort_sends,
                          polls=args.polls, channel_capacity=args.channel_capacity, max_states=args.max_states,
                          timeout_s=args.timeout, legacy=args.legacy_immediate_release, guards_off=tuple(args.guard_off),
-                         symmetry=not args.no_symmetry, **_kinds(args.fault_kinds))
+                         symmetry=not args.no_symmetry, stale_events=not args.no_stale_events, por=not args.no_por,
+                         **_kinds(args.fault_kinds))
     result = run_check(bounds)
+    if args.shortest:
+        result = shortest(bounds, result)
     if args.save and result["counterexample"]:
         save_counterexample(args.save, result)
     if args.json:
         print(json.dumps(result))
     else:
-        for key in ("states", "depth", "transitions", "terminal_states", "pruned_by_channel_capacity", "seconds",
-                    "states_per_s", "reductions", "complete", "stopped", "violations"):
+        for key in ("states", "depth", "transitions", "terminal_states", "pruned_by_channel_capacity",
+                    "por_reduced_states", "seconds", "states_per_s", "reductions", "complete", "stopped", "violations"):
             print(f"{key:<28} {result[key]}")
         if result["counterexample"]:
-            print("shortest counterexample:\n" + format_trace(result["counterexample"]))
+            which = "shortest" if result["shortest"] else "(maybe not shortest: --shortest or --no-por)"
+            print(f"{which} counterexample:\n" + format_trace(result["counterexample"]))
     unsafe = args.legacy_immediate_release or args.guard_off
     if unsafe:
         return 0 if result["violations"] else 3

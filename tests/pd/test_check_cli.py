@@ -22,9 +22,9 @@ def test_json_result_of_a_complete_check(capsys):
 
 def test_legacy_counterexample_is_saved_and_replays(tmp_path, capsys):
     ce = tmp_path / "legacy.json"
-    assert main(SMALL + ["--legacy-immediate-release", "--save", str(ce)]) == 0  # unsafe mode: finding it is success
+    assert main(SMALL + ["--legacy-immediate-release", "--shortest", "--save", str(ce)]) == 0  # unsafe: finding it is success
     out = capsys.readouterr().out
-    assert "shortest counterexample" in out and "VIOLATION freed_while_writing" in out
+    assert "\nshortest counterexample" in out and "VIOLATION freed_while_writing" in out
     assert main(["check", "pd", "--replay", str(ce), "--json"]) == 1
     replayed = json.loads(capsys.readouterr().out)
     assert replayed["violation"] and replayed["diverged"] is None
@@ -57,3 +57,23 @@ def test_bad_input_names_the_flag(flag, value, capsys):
 def test_save_into_a_missing_folder_is_refused_before_the_check(tmp_path, capsys):
     assert main(SMALL + ["--save", str(tmp_path / "no" / "ce.json")]) == 2
     assert "--save: expected a file in a writable folder" in capsys.readouterr().err
+
+
+def test_every_reduction_in_force_is_reported_and_each_can_be_switched_off(capsys):
+    assert main(SMALL + ["--json"]) == 0
+    assert len(json.loads(capsys.readouterr().out)["reductions"]) == 3
+    assert main(SMALL + ["--no-por", "--no-symmetry", "--no-stale-events", "--json"]) == 0
+    plain = json.loads(capsys.readouterr().out)
+    assert plain["reductions"] == [] and plain["shortest"] and plain["por_reduced_states"] == 0
+    assert plain["bounds"]["por"] is False and plain["bounds"]["stale_events"] is False
+
+
+def test_shortest_reruns_without_the_partial_order_reduction(capsys):
+    two = ["check", "pd", "--prefill-ranks", "2", "--requests", "1", "--faults", "0", "--cancels", "0",
+           "--retries", "0", "--polls", "0", "--channel-capacity", "1", "--legacy-immediate-release", "--json"]
+    assert main(two) == 0
+    reduced = json.loads(capsys.readouterr().out)
+    assert main(two + ["--shortest"]) == 0
+    short = json.loads(capsys.readouterr().out)
+    assert short["shortest"] and short["bounds"]["por"] is False and short["violations"]
+    assert len(short["counterexample"]["trace"]) <= len(reduced["counterexample"]["trace"])

@@ -12,8 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from pd.abort.check import CheckBounds, format_trace, load_counterexample, replay, run_check, save_counterexample
+from pd.abort.check import (CheckBounds, format_trace, load_counterexample, replay, run_check, save_counterexample,
+                            shortest)
 from pd.abort.check.explorer import _quiet
+from pd.abort.check.por import unsound_independence
 from pd.abort.check.state import fingerprint, unclassified
 from pd.abort.check.world import apply, build_world, enabled, label
 from pd.abort.guards import GUARDS, guards_off
@@ -77,15 +79,21 @@ def test_ci_bound_explores_every_interleaving_without_a_violation():
 
 @pytest.mark.parametrize("name", list(TEETH))
 def test_unsafe_variant_has_a_counterexample(name):
+    """With every reduction on (partial order included) each unsafe variant still breaks; its shortest
+    counterexample (a re-run without the partial-order reduction, if that one was in force) is never longer
+    than the recorded one."""
     result = run_check(teeth_bounds(name))
     assert result["violations"], f"{name}: no counterexample at {TEETH[name]}"
+    assert len(result["reductions"]) == 3
     ce = result["counterexample"]
     assert 0 < len(ce["trace"]) <= result["depth"] and "VIOLATION" in format_trace(ce)
+    short = shortest(teeth_bounds(name), result)
+    assert short["shortest"] and short["violations"] and len(short["counterexample"]["trace"]) <= len(ce["trace"])
     recorded = DATA / f"{name}.json"
     if not recorded.exists():  # first run: record it (then commit the file)
-        save_counterexample(recorded, result)
+        save_counterexample(recorded, short)
     _, trace, violation = load_counterexample(recorded)
-    assert len(ce["trace"]) <= len(trace), "breadth-first: never longer than the recorded shortest trace"
+    assert len(short["counterexample"]["trace"]) <= len(trace), "never longer than the recorded shortest trace"
 
 
 @pytest.mark.parametrize("name", list(TEETH) + list(RECORDED_ONLY))
@@ -103,13 +111,47 @@ def test_reductions_lose_no_state_class(symmetry=False, stale=False):
     and request ids, blind to stale events) as the exhaustive one, in fewer states (each reduction alone:
     the same check, from the command line / the closing note of issue 25)."""
     bounds = CheckBounds(prefill_ranks=2, requests=1, faults=0, retries=0, cancels=0, polls=0, channel_capacity=1,
-                         abort_sends=1)  # exhaustive: ~1,900 states, ~11 s here
+                         abort_sends=1, por=False)  # exhaustive: ~1,900 states, ~11 s here (POR: the test below)
     weaker, reduced = set(), set()
     plain = run_check(replace(bounds, symmetry=symmetry, stale_events=stale), weaker)
     both = run_check(bounds, reduced)
     assert plain["complete"] and both["complete"] and plain["violations"] == both["violations"] == []
     assert weaker == reduced and both["states"] == len(reduced) < plain["states"]
     assert len(both["reductions"]) == 2 and len(plain["reductions"]) == symmetry + stale
+
+
+# the partial-order reduction keeps every terminal state class (and every violation), not every state: its
+# cross-check compares terminal classes, at the CI bound (~1,300 states) and at one with a fault (~2,400)
+POR_BOUNDS = {"ci": CI_BOUND,
+              "fault": CheckBounds(prefill_ranks=2, requests=1, faults=1, retries=0, cancels=0, polls=0,
+                                   channel_capacity=1, fault_kinds=("drop", "decode_restart"))}
+
+
+def _terminal_classes(bounds: CheckBounds) -> tuple[dict, set]:
+    found = set()
+    return run_check(bounds, terminal_classes=found), found
+
+
+@pytest.mark.parametrize("bound", list(POR_BOUNDS))
+def test_partial_order_reduction_keeps_every_terminal_class(bound):
+    bounds = POR_BOUNDS[bound]
+    plain, every = _terminal_classes(replace(bounds, por=False))
+    reduced, kept = _terminal_classes(bounds)
+    assert plain["complete"] and reduced["complete"] and plain["violations"] == reduced["violations"] == []
+    assert kept == every and reduced["por_reduced_states"] > 0 and reduced["states"] < plain["states"]
+    assert len(reduced["reductions"]) == 3 and len(plain["reductions"]) == 2
+
+
+def test_a_wrong_independence_entry_fails_the_cross_check():
+    """The reduction's teeth: declaring a rank's landing writes local (they read decode's page owner) and
+    dropping the non-empty-queue condition prunes interleavings the protocol needs: terminal classes are lost."""
+    bounds = POR_BOUNDS["ci"]
+    _, every = _terminal_classes(replace(bounds, por=False))
+    with unsound_independence():
+        wrong, kept = _terminal_classes(bounds)
+    assert wrong["complete"] and kept < every
+    _, sound = _terminal_classes(bounds)
+    assert sound == every
 
 
 def test_every_guard_has_teeth_or_is_a_detector():
