@@ -62,9 +62,13 @@ def add_parser(sub: argparse._SubParsersAction, int_at_least) -> None:
                    help="cut --outage-rank's control link at --outage-at for this long (its lease stays valid)")
     d.add_argument("--prefill-down", type=options.number_in(0, 1e6, low_open=True), default=None, metavar="SECONDS",
                    help="crash --outage-rank at --outage-at and restart it this much later (a model reload)")
-    d.add_argument("--outage-rank", type=int_at_least(0), default=0, help="the rank of --partition / --prefill-down")
+    d.add_argument("--lease-loss", type=options.number_in(0, 1e6, low_open=True), default=None, metavar="SECONDS",
+                   help="a false suspicion: --outage-rank's lease expires at --outage-at while it is alive and it "
+                        "heartbeats again this much later (fenced meanwhile if longer than --fence-after-s; sim only)")
+    d.add_argument("--outage-rank", type=int_at_least(0), default=0,
+                   help="the rank of --partition / --prefill-down / --lease-loss")
     d.add_argument("--outage-at", type=options.number_in(0, 1e6), default=10.0,
-                   help="virtual time of --partition / --prefill-down (default 10)")
+                   help="virtual time of --partition / --prefill-down / --lease-loss (default 10)")
     d.add_argument("--restart-decode", type=options.number_in(0, 1e6), action="append", default=[],
                    metavar="SECONDS", help="crash and restart the decode worker at this virtual time; repeatable")
     d.add_argument("--fence-after-s", type=options.number_in(0, 1e6), default=30.0,
@@ -137,14 +141,15 @@ def _pd_config(args: argparse.Namespace):
                               duplicate=0.05 if args.duplicate is None else args.duplicate),
         cancel=args.cancel, restart_mean_s=60.0 if args.restart_mean_s is None else args.restart_mean_s or None,
         kill=tuple(args.kill_rank), mean_arrival_s=args.mean_arrival_s,
-        partition=outage(args.partition), outage=outage(args.prefill_down),
+        partition=outage(args.partition), outage=outage(args.prefill_down), lease_loss=outage(args.lease_loss),
         restart_decode=tuple(args.restart_decode), misaddress=args.misaddress, decode=decode)
 
 
 def _real_only_faults(args: argparse.Namespace) -> None:
     """--transport mooncake: refuse the simulation-only faults (one clear error before any process starts)."""
     for flag, value in (("--duplicate", args.duplicate), ("--restart-mean-s", args.restart_mean_s),
-                        ("--misaddress", args.misaddress or None), ("--guard-off", args.guard_off or None)):
+                        ("--misaddress", args.misaddress or None), ("--guard-off", args.guard_off or None),
+                        ("--lease-loss", args.lease_loss)):
         if value is not None:
             raise ValueError(f"{flag}: expected it only with --transport sim (the real pair has no such fault), "
                              f"got {value!r}")

@@ -1,7 +1,8 @@
 """The simulated PD cluster the abort stress drives: one decode worker and the prefill CP ranks of a
 LayerSplit topology, wired through the faulty control channel, plus the router (retries) and the
 injected faults — client cancels (some delivered twice), prefill restarts, dead ranks, partitions of
-a rank's control link, long prefill outages (a model reload), decode restarts and misaddressed replies."""
+a rank's control link, long prefill outages (a model reload), decode restarts, misaddressed replies and
+false suspicions (a live rank's lease expires: its heartbeat is starved or cut from the bootstrap server)."""
 
 from __future__ import annotations
 
@@ -58,7 +59,8 @@ class PDCluster:
         self.retries = 0
         self.latest: dict[int, DecodeRequest] = {}  # rid -> its latest incarnation (what a client cancels)
         self.partitioned: set[int] = set()  # ranks whose control link is cut
-        self.stats = dict.fromkeys(("partition_dropped", "misaddressed_injected", "false_late_rejections"), 0)
+        self.stats = dict.fromkeys(("partition_dropped", "misaddressed_injected", "false_late_rejections",
+                                    "leases_lost", "revoked_exits"), 0)
         self.watch = OutageWatch(self)
 
     # wiring (methods, not closures: the model checker copies a whole cluster) -------------------------
@@ -126,10 +128,37 @@ class PDCluster:
             self.outcomes["gave_up"] += 1
 
     # injected faults -----------------------------------------------------------------------------------
+    def lose_lease(self, rank: int, seconds: float = 0.0) -> None:
+        """A false suspicion: ``rank``'s serving process is alive, but its lease expires (its heartbeats are
+        starved — a GC pause, an overloaded host — or cut from the bootstrap server). Decode suspects it and,
+        if it stays unregistered ``fence_after_s``, fences a *live* writer. The process heartbeats again
+        ``seconds`` later (the checker: at any later moment)."""
+        node = self.prefills[rank]
+        if not node.up:
+            return
+        self.stats["leases_lost"] += 1
+        self.registry.expire(rank, node.incarnation)
+        self.loop.after(seconds, self.renew, rank, node.incarnation)
+
+    def renew(self, rank: int, incarnation: int) -> None:
+        """``incarnation``'s heartbeat reaches the bootstrap server again. Fenced meanwhile: the server
+        answers *revoked* and the process exits; its supervisor starts a new incarnation (the real pair does
+        exactly this: ``pd.abort.real.registry_link``). Not fenced: the lease is renewed and the rank serves."""
+        node = self.prefills[rank]
+        if not (node.up and node.incarnation == incarnation):
+            return  # that process is gone: nothing heartbeats
+        if self.registry.revoked[rank] >= incarnation:
+            self.stats["revoked_exits"] += 1
+            node.crash()
+            self.loop.after(0.0, node.restart)
+        else:
+            self.registry.register(rank, incarnation)
+
     def schedule_faults(self, until: float) -> None:
         """Restarts of every rank while requests arrive (so the run still ends), the dead ranks, the
         partitions, the long outages and the decode restarts."""
-        special = {rank for rank, _ in self.cfg.kill} | {f[0] for f in self.cfg.outage + self.cfg.partition}
+        special = {rank for rank, _ in self.cfg.kill} | {f[0] for f in self.cfg.outage + self.cfg.partition
+                                                          + self.cfg.lease_loss}
         for rank, at in self.cfg.kill:
             self.loop.after(at, self.prefills[rank].crash)
         for rank, at, seconds in self.cfg.partition:
@@ -140,6 +169,8 @@ class PDCluster:
             self.loop.after(at + seconds, self.prefills[rank].restart)
         for at in self.cfg.restart_decode:
             self.loop.after(at, self.decode.restart)
+        for rank, at, seconds in self.cfg.lease_loss:
+            self.loop.after(at, self.lose_lease, rank, seconds)
         self.watch.schedule()
         if self.cfg.restart_mean_s:
             for node in self.prefills:

@@ -29,6 +29,8 @@ class PDStressConfig:
     kill: tuple[tuple[int, float], ...] = ()  # (rank, time): crash and never come back (a dead peer)
     partition: tuple[tuple[int, float, float], ...] = ()  # (rank, time, seconds): its control link is cut
     outage: tuple[tuple[int, float, float], ...] = ()  # (rank, time, seconds): crashed, restarted after (a reload)
+    lease_loss: tuple[tuple[int, float, float], ...] = ()  # (rank, time, seconds): a live rank's lease expires,
+    # it heartbeats again that much later (a false suspicion: fenced meanwhile if seconds > lease_s + fence_after_s)
     restart_decode: tuple[float, ...] = ()  # times the decode worker crashes and restarts (a new life)
     misaddress: float = 0.0  # probability a prefill reply is also delivered naming another (or no) peer
     channel: ChannelFaults = field(default_factory=lambda: ChannelFaults(drop=0.05, duplicate=0.05))
@@ -46,7 +48,7 @@ class PDStressConfig:
             raise ValueError(f"restart_mean_s: expected seconds > 0 (or None: no restarts), got {self.restart_mean_s}")
         if not 0 <= self.misaddress < 1:
             raise ValueError(f"misaddress: expected a probability in [0, 1), got {self.misaddress}")
-        for name in ("kill", "partition", "outage"):
+        for name in ("kill", "partition", "outage", "lease_loss"):
             for fault in getattr(self, name):
                 if fault[0] not in self.topology.ranks:
                     raise ValueError(f"{name}: expected ranks in {self.topology.ranks}, got {fault[0]}")
