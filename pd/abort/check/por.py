@@ -59,6 +59,9 @@ be at the least depth (the reduced graph skips orders). The result says so (``sh
 state was reduced); ``--shortest`` (or ``run_check(replace(bounds, por=False, max_depth=n))``) re-runs
 without it to that depth, which gives a breadth-first, hence shortest, trace.
 
+Any other pending event (a protocol step added later, e.g. the cluster's lease renewal) switches the
+reduction off in that state until its footprint is added here.
+
 ``unsound_independence`` (tests only) declares r's landing writes local — wrong, since a write reads decode's
 page owner — and drops condition 3 (so a later delivery into r is taken as independent of r's steps), so the
 cross-check that compares reduced and unreduced runs can show it would catch a bad entry.
@@ -91,6 +94,8 @@ def persistent_set(w, actions: list[tuple]) -> list[tuple] | None:
     b = w.bounds
     if w.faults_used < b.faults and not set(b.fault_kinds) <= {"decode_restart"}:
         return None  # condition 1: a fault could still touch any rank
+    if not all(_analysed(w, e) for e in w.cluster.loop.events()):
+        return None  # an event whose footprint the argument above does not cover (a newer protocol step)
     best = None
     for rank, node in enumerate(w.cluster.prefills):
         if not w.channel.queues.get(("decode", f"prefill{rank}")) and not _UNSOUND["writes_local"]:
@@ -99,6 +104,24 @@ def persistent_set(w, actions: list[tuple]) -> list[tuple] | None:
         if mine and all(_local(w, node, a) for a in mine) and (best is None or len(mine) < len(best)):
             best = mine
     return best if best is not None and len(best) < len(actions) else None
+
+
+# the pending events whose footprints the module docstring covers: decode's timers (decode, the registry, the
+# fence of an engine, pushes onto decode->r), the router's submit, the registry's lease expiry, and the ranks'
+# own (prefill process and engine) events
+_DECODE_EVENTS = ("_resolve", "_timeout", "_poll", "send_aborts", "_finish", "_queue_timeout", "_suspect", "abort")
+
+
+def _analysed(w, event: tuple) -> bool:
+    fn, c = event[2], w.cluster
+    target, name = getattr(fn, "__self__", None), getattr(fn, "__name__", "")
+    if target is c.decode or target is c.decode.health:  # the fence timer is the health monitor's
+        return name in _DECODE_EVENTS
+    if target is c:
+        return name == "submit"
+    if target is c.registry:
+        return name == "expire"
+    return any(target is n or target is n.engine for n in c.prefills)
 
 
 def _belongs(w, node: PrefillNode, a: tuple) -> bool:
