@@ -218,3 +218,20 @@ def test_counterexample_file_round_trip(tmp_path):
     (tmp_path / "bad.json").write_text(json.dumps({"trace": []}))
     with pytest.raises(ValueError, match="expected a counterexample file with 'bounds'"):
         load_counterexample(tmp_path / "bad.json")
+
+
+# a false suspicion (issue 28: the real pair's bootstrap link revokes a fenced live process) -------------------
+LEASE_LOSS = dict(prefill_ranks=1, requests=1, faults=1, cancels=0, retries=0, polls=0, fault_kinds=("lease_loss",))
+
+
+def test_a_live_rank_fenced_on_a_false_suspicion_is_safe_and_live():
+    result = run_check(CheckBounds(**LEASE_LOSS))
+    assert result["complete"] and result["violations"] == [] and result["terminal_states"] > 0
+
+
+def test_a_false_suspicion_without_the_fence_frees_pages_a_live_writer_still_writes():
+    result = run_check(CheckBounds(**LEASE_LOSS, guards_off=("fence-refuses-writes",)))
+    assert result["violations"] == ["freed_while_writing"]
+    trace = result["counterexample"]["trace"]
+    assert any("lease expires while it runs" in step for step in trace)
+    assert not any("crashes" in step or "dies" in step for step in trace)  # the writer never died

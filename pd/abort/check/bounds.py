@@ -6,7 +6,8 @@ from dataclasses import asdict, dataclass
 
 from pd.abort.guards import check_names
 
-FAULT_KINDS = ("drop", "duplicate", "reorder", "crash", "fail", "kill", "decode_restart", "misaddress", "partition")
+FAULT_KINDS = ("drop", "duplicate", "reorder", "crash", "fail", "kill", "decode_restart", "misaddress", "partition",
+               "lease_loss")
 
 
 @dataclass(frozen=True)
@@ -16,7 +17,9 @@ class CheckBounds:
     pages); retries: router retries per aborted request (same rid, new room: the reused request id);
     faults: budget of drop / duplicate / reorder / misaddress of a control message, a failed write
     batch, a prefill crash (its restart then always follows) or kill (for good: decode fences it), a
-    decode restart, a partition of a rank's control link (its heal then always follows); fault_kinds:
+    decode restart, a partition of a rank's control link (its heal then always follows), a live rank's
+    lease lost (a false suspicion: decode may fence a running writer; its heartbeat's return then always
+    follows); fault_kinds:
     which of those the budget may be spent on (all by default); cancels: client aborts, at any moment; abort_sends: decode's
     abort re-send bound before quarantine; polls: times decode's poll timer (re-send TransferRequest)
     may fire per room; channel_capacity: messages in flight per endpoint pair

@@ -32,6 +32,9 @@ def stale(cluster, event: tuple) -> bool:
         req = args[0]
         dead = not (target.alive and req.incarnation == target.incarnation)
         return dead or (name == "_post" and (req.aborted or req.failed))
+    if name == "renew" and target is cluster:
+        node = cluster.prefills[args[0]]  # that process went down (or was never up): nothing heartbeats, ever
+        return not (node.up and node.incarnation == args[1])
     if name == "expire" and target is cluster.registry:
         return cluster.registry.serving(args[0]) != args[1]  # incarnations only grow: it never matches again
     return False

@@ -188,7 +188,7 @@ def _sort_key(k: _Canon, event) -> str:
     return f"{name}|{owner}|" + "|".join(raw(a) for a in args)
 
 
-_RANK_ARG = ("_suspect", "expire")  # events whose first argument is a prefill rank
+_RANK_ARG = ("_suspect", "expire", "renew")  # events whose first argument is a prefill rank
 
 
 def _dest(k: _Canon, dest) -> tuple:

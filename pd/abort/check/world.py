@@ -29,8 +29,11 @@ from pd.abort.transfer_engine import EngineFaults, TransferEngine
 # crash: a prefill process dies and restarts; kill: it dies for good (its lease expires, decode fences it);
 # decode_restart: the decode worker starts a new life; misaddress: a prefill reply is also delivered naming
 # another peer (from its own link) or a non-owner (from that one's link); partition: a rank's control link
-# is cut until the (owed) heal. A stale registry needs no action: a lease expires some time after a crash.
-FAULTS = ("drop", "duplicate", "reorder", "crash", "fail", "kill", "decode_restart", "misaddress", "partition")
+# is cut until the (owed) heal; lease_loss: a live rank's lease expires (a false suspicion: its heartbeat is
+# starved), the renewal of that heartbeat is then owed. A stale registry needs no action: a lease expires
+# some time after a crash.
+FAULTS = ("drop", "duplicate", "reorder", "crash", "fail", "kill", "decode_restart", "misaddress", "partition",
+               "lease_loss")
 CANCEL = "cancel"
 OWED = ("event", "deliver", "late", "heal")
 
@@ -129,6 +132,7 @@ def _faults(w: World) -> list[tuple]:
         actions += [("fail", rank, b) for b in sorted(node.engine._batches) if node.engine.poll(b) == "pending"]
     actions.append(("decode_restart",))
     actions += [("partition", r) for r in range(ranks) if r not in c.partitioned]
+    actions += [("lease_loss", n.peer) for n in c.prefills if n.up and c.registry.serving(n.peer) == n.incarnation]
     return actions
 
 
@@ -179,6 +183,8 @@ def apply(w: World, action: tuple) -> None:
         w.channel._deliver("decode", forged, pair[0] if peer < len(c.prefills) else f"prefill{peer}")
     elif kind == "partition":
         c.partitioned.add(action[1])
+    elif kind == "lease_loss":
+        c.lose_lease(action[1])  # its renewal is a pending event: fired at any later moment
     elif kind == "heal":
         c.partitioned.discard(action[1])
     elif kind == CANCEL:
@@ -231,6 +237,9 @@ def label(w: World, action: tuple) -> str:
                 f"also delivered naming prefill{action[2]}")
     if kind == "partition":
         return f"fault: prefill{action[1]}'s control link is cut"
+    if kind == "lease_loss":
+        return (f"fault: prefill{action[1]}'s lease expires while it runs (a false suspicion; incarnation "
+                f"{w.cluster.prefills[action[1]].incarnation})")
     if kind == "heal":
         return f"net: prefill{action[1]}'s control link heals"
     if kind == CANCEL:
@@ -243,7 +252,8 @@ _EVENTS = {"submit": "router: submit", "_resolve": "decode: bootstrap lookup", "
            "_finish": "decode: finish decoding", "abort": "decode: abort", "_computed": "forward pass done",
            "_post": "post write batch", "restart": "restart", "_write": "write lands", "fail": "batch fails",
            "_quiesce": "empty batch quiesces", "expire": "registry: lease expires", "_suspect": "decode: fence timer",
-           "_queue_timeout": "decode: queue timeout"}
+           "_queue_timeout": "decode: queue timeout",
+           "renew": "registry: a live process's heartbeat returns (rank, incarnation)"}
 
 
 def _event_label(w: World, event: tuple) -> str:
