@@ -53,7 +53,53 @@ class _Batch:
     on_quiesced: Callable[[int], None]
 
 
-class TransferEngine:
+class OwnerBook:
+    """What every transfer engine keeps, whatever moves the bytes (this model, or Mooncake in
+    ``pd.abort.real.mooncake_engine``): each batch's status, batches in flight per owner (a prefill process
+    incarnation), the drain waiters and the fence. A subclass sets ``_status``, ``_batches``, ``_in_flight``
+    (owner -> batches not yet quiesced), ``_drain_waiters`` and ``fenced_upto`` (None: nothing fenced), and
+    calls ``_wake_drained`` whenever an owner's count drops to 0. ``fail`` reports a batch failed while its
+    writes may still land; it quiesces only when they have (or never will)."""
+
+    _status: dict  # batch -> pending / done / failed
+    _batches: dict  # batch -> its record (``on_status``), while not quiesced
+    _in_flight: dict
+    _drain_waiters: list
+    fenced_upto: int | None
+
+    def fail(self, batch: int) -> None:
+        """The NIC reports ``batch`` failed; its writes still land (a no-op once it is done)."""
+        if self._status[batch] == "pending":
+            self._status[batch] = "failed"
+            self._batches[batch].on_status(batch, "failed")
+
+    def poll(self, batch: int) -> str:
+        return self._status[batch]
+
+    def fence(self, upto: int) -> None:
+        """Fence every owner (incarnation) ``<= upto``: from now on their writes are refused."""
+        self.fenced_upto = upto if self.fenced_upto is None else max(self.fenced_upto, upto)
+
+    def fenced(self, owner: Hashable) -> bool:
+        return isinstance(owner, int) and self.fenced_upto is not None and owner <= self.fenced_upto
+
+    def in_flight(self, owners: Callable[[Hashable], bool]) -> int:
+        """Batches posted by owners matching ``owners`` whose writes have not all landed."""
+        return sum(n for owner, n in self._in_flight.items() if owners(owner))
+
+    def when_drained(self, owners: Callable[[Hashable], bool], fn: Callable[[], None]) -> None:
+        """Call ``fn()`` (now or later) once no batch of an owner matching ``owners`` is in flight."""
+        self._drain_waiters.append((owners, fn))
+        self._wake_drained()
+
+    def _wake_drained(self) -> None:
+        ready = [(owners, fn) for owners, fn in self._drain_waiters if not self.in_flight(owners)]
+        self._drain_waiters = [w for w in self._drain_waiters if w not in ready]
+        for _, fn in ready:
+            fn()
+
+
+class TransferEngine(OwnerBook):
     def __init__(self, loop: EventLoop, rng: random.Random, land: Callable, faults: EngineFaults) -> None:
         self.loop, self.rng, self.land, self.faults = loop, rng, land, faults
         self._status: dict[int, str] = {}
@@ -108,37 +154,8 @@ class TransferEngine:
         if self._drain_waiters and not self._in_flight[record.owner]:
             self._wake_drained()
 
-    def fence(self, upto: int) -> None:
-        """Fence every owner (incarnation) ``<= upto``: from now on their writes are refused."""
-        self.fenced_upto = upto if self.fenced_upto is None else max(self.fenced_upto, upto)
-
-    def fenced(self, owner: Hashable) -> bool:
-        return isinstance(owner, int) and self.fenced_upto is not None and owner <= self.fenced_upto
-
     def _refuses(self, owner: Hashable) -> bool:
         """Is a landing write of ``owner`` refused? (The fence guard: pd.abort.guards switches it off.)"""
         return self.fenced(owner)
 
-    def fail(self, batch: int) -> None:
-        """The NIC reports ``batch`` failed; its writes still land (a no-op once it is done)."""
-        if self._status[batch] == "pending":
-            self._status[batch] = "failed"
-            self._batches[batch].on_status(batch, "failed")
 
-    def poll(self, batch: int) -> str:
-        return self._status[batch]
-
-    def in_flight(self, owners: Callable[[Hashable], bool]) -> int:
-        """Batches posted by owners matching ``owners`` whose writes have not all landed."""
-        return sum(n for owner, n in self._in_flight.items() if owners(owner))
-
-    def when_drained(self, owners: Callable[[Hashable], bool], fn: Callable[[], None]) -> None:
-        """Call ``fn()`` (now or later) once no batch of an owner matching ``owners`` is in flight."""
-        self._drain_waiters.append((owners, fn))
-        self._wake_drained()
-
-    def _wake_drained(self) -> None:
-        ready = [(owners, fn) for owners, fn in self._drain_waiters if not self.in_flight(owners)]
-        self._drain_waiters = [w for w in self._drain_waiters if w not in ready]
-        for _, fn in ready:
-            fn()

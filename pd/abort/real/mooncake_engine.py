@@ -51,7 +51,7 @@ import numpy as np
 
 from pd.abort.real.engine import POISON, register
 from pd.abort.real.landing import stamp
-from pd.abort.transfer_engine import WriteTag
+from pd.abort.transfer_engine import OwnerBook, WriteTag
 
 
 TIMEOUT_MARGIN_S = 0.25  # a status this close to the transfer timeout is the timeout's
@@ -141,7 +141,7 @@ class _Batch:
     posted_at: float = field(default_factory=time.monotonic)
 
 
-class MooncakeEngine:
+class MooncakeEngine(OwnerBook):
     """A prefill rank's engine: writes ``source_pages`` registered source pages (``page_bytes`` each)
     into the decode life's regions that ``layout(life)`` names. ``loop`` is the process's
     :class:`~pd.abort.real.wall_loop.WallLoop`; completions are drained on its thread."""
@@ -254,34 +254,6 @@ class MooncakeEngine:
         if self.on_timeout is not None:
             self.on_timeout(batch)
 
-    # the rest of the interface --------------------------------------------------------------------------
-    def fail(self, batch: int) -> None:
-        """Report ``batch`` failed now (its writes may still land; it quiesces when Mooncake reports it)."""
-        if self._status[batch] == "pending":
-            self._status[batch] = "failed"
-            self._batches[batch].on_status(batch, "failed")
-
-    def poll(self, batch: int) -> str:
-        return self._status[batch]
-
-    def fence(self, upto: int) -> None:
-        self.fenced_upto = upto if self.fenced_upto is None else max(self.fenced_upto, upto)
-
-    def fenced(self, owner: Hashable) -> bool:
-        return isinstance(owner, int) and self.fenced_upto is not None and owner <= self.fenced_upto
-
-    def in_flight(self, owners: Callable[[Hashable], bool]) -> int:
-        return sum(n for owner, n in self._in_flight.items() if owners(owner))
-
-    def when_drained(self, owners: Callable[[Hashable], bool], fn: Callable[[], None]) -> None:
-        self._drain_waiters.append((owners, fn))
-        self._wake_drained()
-
-    def _wake_drained(self) -> None:
-        ready = [(owners, fn) for owners, fn in self._drain_waiters if not self.in_flight(owners)]
-        self._drain_waiters = [w for w in self._drain_waiters if w not in ready]
-        for _, fn in ready:
-            fn()
-
+    # (fail, poll, fence, in_flight, when_drained: pd.abort.transfer_engine.OwnerBook) -------------------------
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
