@@ -41,6 +41,7 @@ only by decode's deregistration.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import os
 import re
 import time
@@ -216,10 +217,8 @@ class MooncakeEngine(OwnerBook):
 
     def drain(self) -> int:
         """On the loop's thread: hand every reported batch to the protocol."""
-        try:
+        with contextlib.suppress(BlockingIOError):  # woken by a result already drained: nothing to read
             os.read(self._wake_r, 4096)
-        except BlockingIOError:
-            pass
         done = 0
         while self._results:
             batch, rc = self._results.pop(0)

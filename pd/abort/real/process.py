@@ -8,6 +8,7 @@ import json
 import os
 import pickle
 import signal
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,7 +39,7 @@ def _plain(obj):
     raise TypeError(f"not JSON: {type(obj).__name__}")
 
 
-class Process:
+class Process(ABC):
     """What both roles share: the run's files, the loop, the channel, the stop flag, the snapshots."""
 
     def __init__(self, run_dir: Path, name: str) -> None:
@@ -65,8 +66,9 @@ class Process:
         write_json(self.run_dir / f"{self.name}.stats.json", self.report())
         self.loop.after(seconds, self.snapshot_every, seconds)
 
+    @abstractmethod
     def report(self) -> dict:
-        raise NotImplementedError
+        """This process's stats, JSON-ready (what each snapshot writes)."""
 
     def serve(self, stop=lambda: False, stop_on_signal: bool = True) -> int:
         """Run until ``stop()`` (and, with ``stop_on_signal``, until SIGTERM / SIGINT); final stats."""
