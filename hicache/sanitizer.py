@@ -131,6 +131,7 @@ class _History:
     accesses: list[_Access] = field(default_factory=list)
     alloc_agent: int | None = None  # the stream that allocated it (None: seen before the sanitizer)
     recorded: set[int] = field(default_factory=set)  # record_stream() declarations
+    storage: weakref.ref | None = None  # the storage it belongs to; dead: the address was freed
 
 
 class _Mode(TorchDispatchMode):
@@ -391,8 +392,14 @@ class Sanitizer:
     def _history(self, storage) -> tuple[int, _History]:
         key = storage.data_ptr()
         hist = self._storages.get(key)
-        if hist is None:
-            hist = self._storages[key] = _History()
+        if hist is None or hist.storage is None or hist.storage() is None:
+            # none, or a freed storage's whose free has not been drained yet (a worker stream reaches
+            # its marker later): this storage's bytes are new. An allocation the dispatcher sees is
+            # :meth:`_allocate`d; one it does not (a list index turned into a tensor, ``from_numpy``)
+            # lands here, and must not inherit the dead block's accesses (on a GPU the two would
+            # not even be the same kind of memory). The old history stays with its free for the
+            # allocator-reuse check.
+            hist = self._storages[key] = _History(storage=weakref.ref(storage))
             weakref.finalize(storage, self._on_free, key, hist)
         return key, hist
 

@@ -45,7 +45,10 @@ class StressConfig:
     max_prefix_pages: int = 4
     queries_per_request: int = 6
     max_delay_s: float = 0.001  # random stall before each load-stream copy of indexer keys
-    kv_delay_factor: float = 3.0  # KV copies stall longer: a KV page is ~9x an indexer page (1152 vs 132 B/token)
+    # KV copies stall longer, in proportion to their bytes: 1152 vs 132 B/token (GLM-5 bf16 KV vs fp8
+    # indexer keys). At 3.0 the KV window was so narrow that --unsafe-skip-wait kv went undetected in
+    # most 2,000-load runs (0-1 of 2,000 outputs corrupted); at this ratio 30-75 of 2,000 on 3 seeds
+    kv_delay_factor: float = 1152 / 132
     max_forward_delay_s: float = 0.001  # and before each forward op (widens the page-reuse window)
     index_heads: int = 4
     attn_heads: int = 4
