@@ -16,7 +16,7 @@ from pd.abort.check import (CheckBounds, format_trace, load_counterexample, repl
                             shortest)
 from pd.abort.check.explorer import _quiet
 from pd.abort.check.por import unsound_independence
-from pd.abort.check.state import fingerprint, unclassified
+from pd.abort.check.state import every_renaming, fingerprint, orbit_fingerprint, symmetries, unclassified
 from pd.abort.check.world import apply, build_world, enabled, label
 from pd.abort.guards import GUARDS, guards_off
 
@@ -189,6 +189,46 @@ def test_interleavings_of_independent_steps_hash_alike():
     assert fingerprint(a) == fingerprint(b) != fingerprint(world)
     apply(a, next(x for x in enabled(a) if x[0] == "event" and "prefill0: forward" in label(a, x)))
     assert fingerprint(a) != fingerprint(b)
+
+
+def test_candidate_renamings_give_the_orbit_classes():
+    """The symmetry fingerprint minimises over the renamings that sort a naming-independent key, not over
+    the whole group: over every state within 4 steps of the start at 2 ranks x 2 requests x 2 faults (then
+    random walks from there) it splits states exactly as the least hash over every renaming does —
+    including states equal only up to a renaming of ranks, or of request ids — and tries fewer renamings."""
+    import random
+
+    worlds, level = [], [build_world(CheckBounds(prefill_ranks=2, requests=2, faults=2))]
+    with _quiet():
+        for _ in range(4):
+            nxt, seen = [], set()
+            for w in level:
+                for a in enabled(w):
+                    child = pickle.loads(pickle.dumps(w))
+                    apply(child, a)
+                    if fingerprint(child) not in seen:
+                        seen.add(fingerprint(child))
+                        nxt.append(child)
+            worlds += nxt
+            level = nxt
+        rng = random.Random(0)
+        for w in rng.sample(level, 20):
+            for _ in range(25):
+                actions = enabled(w)
+                if not actions:
+                    break
+                apply(w, rng.choice(actions))
+                worlds.append(pickle.loads(pickle.dumps(w)))
+    by_candidates, by_orbit, plain_in_orbit, tried, group = {}, {}, {}, 0, 0
+    for i, w in enumerate(worlds):
+        orbit = orbit_fingerprint(w)
+        by_candidates.setdefault(fingerprint(w, symmetry=True), set()).add(i)
+        by_orbit.setdefault(orbit, set()).add(i)
+        plain_in_orbit.setdefault(orbit, set()).add(fingerprint(w))
+        tried, group = tried + len(symmetries(w)), group + len(every_renaming(w))
+    assert sorted(map(sorted, by_candidates.values())) == sorted(map(sorted, by_orbit.values()))
+    assert sum(len(p) > 1 for p in plain_in_orbit.values()) > 10, "too few states equal only up to a renaming"
+    assert tried < group / 2, (tried, group)
 
 
 def test_a_copied_state_is_independent():

@@ -1,10 +1,11 @@
 """The explorer's state hasher: :func:`~pd.abort.check.state.fingerprint` with a memo.
 
-With the symmetry reduction a fingerprint is the least hash over every renaming of ranks and request ids
-(4 canonical forms at 2 ranks x 2 requests). Most explored transitions reach a state already seen, and
-most of those reach it *literally* (the same world, not a renamed one), so the plain canonical hash
-(the identity renaming) is computed first and, if it was seen before, its fingerprint is reused: one
-canonical form instead of 4 for a revisit. Same fingerprints as ``fingerprint``, only fewer computed.
+With the symmetry reduction a fingerprint is the least hash over the candidate renamings of ranks and
+request ids (:func:`~pd.abort.check.state.symmetries`: those that sort a naming-independent key; one for
+most states, at most 4 at 2 ranks x 2 requests). Where the identity is one of several candidates, the
+plain canonical hash is computed first and, if it was seen before, its fingerprint is reused: most
+revisits reach a state *literally* (the same world, not a renamed one). Same fingerprints as
+``fingerprint``, only fewer computed.
 """
 
 from __future__ import annotations
@@ -18,12 +19,15 @@ class Hasher:
         self.memo: dict[int, int] = {}  # plain canonical hash -> fingerprint (symmetry only)
 
     def __call__(self, world) -> int:
-        plain = hash(canonical(world, stale_events=self.stale_events))
         if not self.symmetry:
-            return plain
+            return hash(canonical(world, stale_events=self.stale_events))
+        renamings = symmetries(world)
+        identity = renamings[0] == (tuple(range(len(world.cluster.prefills))), tuple(range(world.bounds.requests)))
+        if not identity or len(renamings) == 1:  # one canonical form per candidate: nothing for a memo to save
+            return min(hash(canonical(world, r, q, self.stale_events)) for r, q in renamings)
+        plain = hash(canonical(world, stale_events=self.stale_events))
         fp = self.memo.get(plain)
         if fp is None:
-            renamings = symmetries(world)[1:]  # the first is the identity: ``plain``
-            fp = min([plain] + [hash(canonical(world, r, q, self.stale_events)) for r, q in renamings])
+            fp = min([plain] + [hash(canonical(world, r, q, self.stale_events)) for r, q in renamings[1:]])
             self.memo[plain] = fp
         return fp
