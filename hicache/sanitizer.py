@@ -392,13 +392,14 @@ class Sanitizer:
     def _history(self, storage) -> tuple[int, _History]:
         key = storage.data_ptr()
         hist = self._storages.get(key)
-        if hist is None or hist.storage is None or hist.storage() is None:
-            # none, or a freed storage's whose free has not been drained yet (a worker stream reaches
-            # its marker later): this storage's bytes are new. An allocation the dispatcher sees is
-            # :meth:`_allocate`d; one it does not (a list index turned into a tensor, ``from_numpy``)
-            # lands here, and must not inherit the dead block's accesses (on a GPU the two would
-            # not even be the same kind of memory). The old history stays with its free for the
-            # allocator-reuse check.
+        owner = hist.storage() if hist is not None and hist.storage is not None else None
+        if owner is None or owner.data_ptr() != key:
+            # none; or a freed storage's, whose free has not been drained yet (a worker stream reaches
+            # its marker later); or one that moved away (``resize_``, ``share_memory_``): this
+            # storage's bytes are new. Whether the dispatcher saw the allocation (:meth:`_allocate`) or
+            # not (a list index turned into a tensor, ``from_numpy``), it must not inherit the old
+            # block's accesses (on a GPU the two would not even be the same kind of memory). The old
+            # history stays with its free for the allocator-reuse check.
             hist = self._storages[key] = _History(storage=weakref.ref(storage))
             weakref.finalize(storage, self._on_free, key, hist)
         return key, hist
@@ -407,10 +408,9 @@ class Sanitizer:
         storage = t.untyped_storage()
         if not storage.data_ptr():
             return
-        key = storage.data_ptr()
-        old = self._storages.pop(key, None)
-        if old is not None:  # a new storage at a freed address whose finalizer has not run yet
-            old.accesses.clear()
+        # a freed block's history at this address is replaced by :meth:`_history` and stays with its
+        # pending free, whose allocator-reuse check still runs (it was cleared here once: a reuse hazard
+        # then went unreported whenever the CPU allocator happened to hand the same address back)
         _, hist = self._history(storage)
         hist.alloc_agent = agent
 

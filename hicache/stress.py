@@ -47,7 +47,7 @@ class StressConfig:
     max_delay_s: float = 0.001  # random stall before each load-stream copy of indexer keys
     # KV copies stall longer, in proportion to their bytes: 1152 vs 132 B/token (GLM-5 bf16 KV vs fp8
     # indexer keys). At 3.0 the KV window was so narrow that --unsafe-skip-wait kv went undetected in
-    # most 2,000-load runs (0-1 of 2,000 outputs corrupted); at this ratio 30-75 of 2,000 on 3 seeds
+    # most 2,000-load runs (0-1 of 2,000 outputs corrupted); at this ratio 30-78 of 2,000 (3 seeds and 3 reruns)
     kv_delay_factor: float = 1152 / 132
     max_forward_delay_s: float = 0.001  # and before each forward op (widens the page-reuse window)
     index_heads: int = 4

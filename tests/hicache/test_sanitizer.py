@@ -135,6 +135,38 @@ def test_a_freed_blocks_accesses_do_not_follow_its_address(rt):
     assert san.hazards == [], _text(san)
 
 
+def test_teeth_allocator_reuse_survives_a_new_block_at_the_freed_address(rt):
+    """A block made on ``side`` is read on ``other`` (no ``record_stream``) and dropped there; before
+    ``side`` reaches the free's marker, it allocates a new block at the same address. The reuse hazard
+    must still be reported: it once went unreported whenever the CPU allocator handed the address back
+    (found by review; here the address reuse is made certain instead of left to the allocator)."""
+    import threading
+
+    side, other = rt.stream("side"), rt.stream("other")
+    made, gate = threading.Event(), threading.Event()
+    box = {}
+    with sanitizer.sanitized() as san:
+        side.submit(lambda: (box.setdefault("t", torch.ones(64)), made.set()), "make")
+        ready = rt.event()
+        ready.record(side)
+        side.submit(lambda: gate.wait(10), "gate")  # holds back the free's marker
+        made.wait(10)
+        other.wait_event(ready)
+        t = box.pop("t")
+        stale = san._storages[t.untyped_storage().data_ptr()]
+        other.submit(lambda t=t: t.sum(), "read without record_stream")
+        del t
+        other.synchronize()  # other's worker dropped the last reference: freed
+        fresh = torch.empty(64)
+        san._storages[fresh.untyped_storage().data_ptr()] = stale  # as if at the same address
+        with san._lock:
+            san._allocate(fresh, san.stream_agent(side))  # side's next allocation lands there
+        gate.set()
+        side.synchronize()
+        torch.zeros(1)  # drains the frees
+    assert [h.kind for h in san.hazards] == ["allocator-reuse"], _text(san)
+
+
 # the HiCache pipeline ------------------------------------------------------------------------------
 def _stress(unsafe: frozenset[str] = frozenset(), seed: int = 3):
     cfg = StressConfig(layer_loads=48, seed=seed, unsafe_skip=unsafe, runtime="emulated", sanitize=True,
