@@ -90,7 +90,9 @@ def test_reallocated_pages_fenced_behind_forward(rt, pools, unsafe):
     again = dev.allocator.alloc(2)
     loader = LayerwiseLoader(rt, dev, host, unsafe_skip={"fence"} if unsafe else set())
     load = loader.start_loading(hp, again, dev.allocator.fences(again))
-    time.sleep(0.1)
+    deadline = time.monotonic() + (5.0 if unsafe else 0.1)  # unsafe: nothing holds the copy back, give it time
+    while time.monotonic() < deadline and not load.kv_ready[0].query():
+        time.sleep(0.005)
     overwritten = not torch.equal(dev.kv_pages(0)[torch.tensor(again)], before)
     gate.set()
     load.kv_ready[3].synchronize()
