@@ -39,6 +39,9 @@ def add_parser(sub: argparse._SubParsersAction, int_at_least) -> None:
     c.add_argument("--max-states", type=int_at_least(1), default=2_000_000, help="stop after this many states")
     c.add_argument("--timeout", type=options.number_in(0, 1e9, low_open=True), default=600.0,
                    help="stop after this many seconds (default 600)")
+    c.add_argument("--fence-unreachable", action="store_true",
+                   help="decode's fence_unreachable_s policy on: it may fence a rank that holds its lease but that it "
+                        "hears nothing from (a cut link), at any moment")
     c.add_argument("--legacy-immediate-release", action="store_true",
                    help="UNSAFE: check the pre-hardening protocol (free at abort): expect a counterexample")
     c.add_argument("--guard-off", action="append", default=[], choices=sorted(GUARDS), metavar="GUARD",
@@ -74,7 +77,7 @@ def run_pd(args: argparse.Namespace) -> int:
                          pages=args.pages, retries=args.retries, cancels=args.cancels, abort_sends=args.abort_sends,
                          polls=args.polls, channel_capacity=args.channel_capacity, max_states=args.max_states,
                          timeout_s=args.timeout, legacy=args.legacy_immediate_release, guards_off=tuple(args.guard_off),
-                         symmetry=not args.no_symmetry, stale_events=not args.no_stale_events, por=not args.no_por,
+                         fence_unreachable=args.fence_unreachable, symmetry=not args.no_symmetry, stale_events=not args.no_stale_events, por=not args.no_por,
                          **_kinds(args.fault_kinds))
     result = run_check(bounds)
     if args.shortest:

@@ -73,6 +73,11 @@ def add_parser(sub: argparse._SubParsersAction, int_at_least) -> None:
                    metavar="SECONDS", help="crash and restart the decode worker at this virtual time; repeatable")
     d.add_argument("--fence-after-s", type=options.number_in(0, 1e6), default=30.0,
                    help="fence a prefill rank whose lease expired and that stayed down this long (0: never)")
+    d.add_argument("--fence-unreachable-s", type=options.number_in(0, 1e6, low_open=True), default=None,
+                   metavar="SECONDS",
+                   help="fence a prefill rank that holds its lease but left an abort unacknowledged this long (a "
+                        "cut control link): pages held during a partition stay bounded, the rank restarts as a new "
+                        "incarnation (default: off, hold them until the link heals)")
     d.add_argument("--misaddress", type=options.number_in(0, 1, high_open=True), default=0.0,
                    help="probability a prefill reply is also delivered naming another peer or a non-owner")
     d.add_argument("--guard-off", action="append", default=[], metavar="GUARD",
@@ -133,7 +138,8 @@ def _pd_config(args: argparse.Namespace):
     layers = args.layers or (args.prefill_cp if real else 61)
     plan = plan_ownership(layers, args.prefill_cp, "contiguous")  # pd takes the ownership as plain data
     outage = lambda seconds: ((args.outage_rank, args.outage_at, seconds),) if seconds else ()  # noqa: E731
-    decode = decode_config_off(DecodeConfig(fence_after_s=args.fence_after_s or None), args.guard_off)
+    decode = decode_config_off(DecodeConfig(fence_after_s=args.fence_after_s or None,
+                                            fence_unreachable_s=args.fence_unreachable_s), args.guard_off)
     return PDStressConfig(
         requests=args.requests, seed=args.seed, legacy_immediate_release=args.legacy_immediate_release,
         topology=PrefillTopology.of([plan.owned_layers(r) for r in range(args.prefill_cp)]),
@@ -149,10 +155,10 @@ def _real_only_faults(args: argparse.Namespace) -> None:
     """--transport mooncake: refuse the simulation-only faults (one clear error before any process starts)."""
     for flag, value in (("--duplicate", args.duplicate), ("--restart-mean-s", args.restart_mean_s),
                         ("--misaddress", args.misaddress or None), ("--guard-off", args.guard_off or None),
-                        ("--lease-loss", args.lease_loss)):
+                        ("--lease-loss", args.lease_loss), ("--fence-unreachable-s", args.fence_unreachable_s)):
         if value is not None:
-            raise ValueError(f"{flag}: expected it only with --transport sim (the real pair has no such fault), "
-                             f"got {value!r}")
+            raise ValueError(f"{flag}: expected it only with --transport sim (the real pair has no such fault "
+                             f"or policy), got {value!r}")
     args.duplicate, args.restart_mean_s = 0.0, 0.0
 
 

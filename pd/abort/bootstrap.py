@@ -42,7 +42,12 @@ class BootstrapRegistry:
             self.expire(rank, self._serving[rank])
 
     def revoke(self, rank: int, incarnation: int) -> None:
+        """Fence ``rank``'s processes up to ``incarnation``: none of them may serve again. A revoked process
+        that still holds its lease (decode fenced it as unreachable) is no longer shown serving: nobody
+        resolves it any more, and its next heartbeat is answered *revoked* (it exits)."""
         self.revoked[rank] = max(self.revoked[rank], incarnation)
+        if self._serving[rank] is not None and self._serving[rank] <= incarnation:
+            self._serving[rank] = None
 
     def serving(self, rank: int) -> int | None:
         return self._serving[rank]

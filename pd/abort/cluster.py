@@ -96,7 +96,14 @@ class PDCluster:
         self.decode.kv.land(dest, tag, payload)  # the decode life's current memory
 
     def _fence(self, rank: int, incarnation: int) -> None:
-        self.prefills[rank].engine.fence(incarnation)
+        """Decode fences ``rank`` up to ``incarnation``: the engine refuses those writes from now on. A fenced
+        process still holding its lease (fenced as unreachable: only decode's link to it was cut) hears
+        *revoked* at its next heartbeat and exits (``renew``); one whose heartbeats are starved hears it
+        when they come back (``lose_lease`` scheduled that)."""
+        node = self.prefills[rank]
+        node.engine.fence(incarnation)
+        if node.up and node.incarnation <= incarnation and self.registry.serving(rank) == node.incarnation:
+            self.loop.after(node.cfg.heartbeat_s, self.renew, rank, node.incarnation)
 
     def _late_reject(self, rank: int, msg) -> None:
         """A prefill rank rejected a TransferRequest as late: false if decode still waits on it for that room."""

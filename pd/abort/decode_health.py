@@ -7,6 +7,10 @@
   to that incarnation are **fenced** — the registration torn down first (the transfer engine refuses their
   writes from then on), then every request waiting only on them released (a live one is aborted).
 
+* An abort stays unacknowledged ``fence_unreachable_s`` by a rank that still holds its lease and sent
+  nothing meanwhile (decode's control link to it is cut; the bootstrap server still hears it): that
+  serving process is fenced the same way, and told *revoked* at its next heartbeat it exits — the rank comes back as a newer incarnation.
+
 It holds no state of its own: everything it reads and changes is the :class:`~pd.abort.decode_side.DecodeNode`'s.
 """
 
@@ -60,7 +64,31 @@ class RankHealth:
             return  # a newer process serves: it drained every write of its previous lives first
         self.fence(rank, incarnation)
 
-    def fence(self, rank: int, incarnation: int) -> None:
+    def watch_unacked(self, req) -> None:
+        """Arm ``req``'s unreachable timer: ``fence_unreachable_s`` from now, counting what is heard meanwhile."""
+        node = self.node
+        req.heard = tuple(node.heard)
+        node.loop.after(node.cfg.fence_unreachable_s, self.unreachable, req)
+
+    def unreachable(self, req) -> None:
+        """``req``'s abort went unacknowledged ``fence_unreachable_s``: fence every rank it still waits for
+        whose serving process holds its lease (an expired one is the lease path's: ``_suspect``) and that
+        sent decode nothing meanwhile. A rank heard from is reachable (draining, or its ack was lost): the
+        timer is armed again, so a link cut later is still caught."""
+        node = self.node
+        if not node.current(req) or not req.unacked:
+            return  # released meanwhile
+        for rank in sorted(req.unacked):
+            serving = node.registry.serving(rank)
+            if serving is None or node.heard[rank] != req.heard[rank] or not node.current(req):
+                continue  # down (the lease path fences it), heard from, or released by a fence already
+            node.stats["unreachable_fences"] += 1
+            self.fence(rank, serving, f"abort of room {req.room} unacknowledged and nothing heard for "
+                                      f"{node.cfg.fence_unreachable_s:.1f} s, lease still held")
+        if node.current(req) and req.unacked:
+            self.watch_unacked(req)
+
+    def fence(self, rank: int, incarnation: int, why: str | None = None) -> None:
         """Declare ``rank``'s processes up to ``incarnation`` dead: tear down their registration first
         (the engine refuses their writes from now on), then release what waited only on them."""
         node = self.node
@@ -70,8 +98,8 @@ class RankHealth:
         node.fenced[rank] = max(node.fenced[rank], incarnation)
         node.fences.append((rank, incarnation, node.loop.now))
         node.stats["fences"] += 1
-        log.warning("prefill%d: incarnations <= %d fenced (lease expired %.1f s ago)", rank, incarnation,
-                    node.cfg.fence_after_s or 0.0)
+        log.warning("prefill%d: incarnations <= %d fenced (%s)", rank, incarnation,
+                    why or f"lease expired {node.cfg.fence_after_s or 0.0:.1f} s ago")
         for req in list(node.reqs.values()):
             if rank not in req.told or req.incarnations[rank] > incarnation:
                 continue

@@ -9,6 +9,16 @@ What an operator configures, and the bounds it gives:
 * ``fence_after_s``: a rank whose lease expired and that stayed down this long is fenced (its
   writes refused) and its pages released. Pages held for a dead rank: at most those announced to it
   in ``lease_s`` + ``fence_after_s`` (and never more than the pool). ``None``: never fence.
+* ``fence_unreachable_s``: a rank that *holds its lease* (the bootstrap server hears it) but has left an
+  abort unacknowledged this long and sent decode **nothing at all** meanwhile (decode's control link to
+  it is cut: a partition; a rank that is only slow to drain its writes still answers other rooms) is
+  fenced as if it were dead — its registration is torn down (its writes
+  refused from then on), what waited on it is released, and the process, told *revoked* at its next
+  heartbeat, exits and comes back as a new incarnation. Pages held during a partition: at most those
+  announced to the rank in ``wait_timeout_s`` + ``fence_unreachable_s`` (then again per new incarnation
+  while the link stays cut), instead of up to the whole pool until the heal. The price: a fence restarts
+  a live prefill process (in SGLang, a model reload) on a link outage longer than this. ``None`` (the
+  default): hold the pages until the link heals.
 * ``queue_timeout_s``: a request waiting for pages is aborted after this (``wait_timeout_s`` counts
   from its page allocation, as before).
 """
@@ -35,12 +45,13 @@ class DecodeConfig:
     decode_s: float = 0.3  # how long a successful request decodes before freeing its pages
     abort_backoff: AbortBackoff = AbortBackoff()
     fence_after_s: float | None = 30.0  # lease expired and still down this long: fence the rank, release
+    fence_unreachable_s: float | None = None  # abort unacked this long by a rank holding its lease: fence it
     legacy_immediate_release: bool = False  # UNSAFE: free pages at abort time (the old race)
     unsafe_free_at_bound: bool = False  # UNSAFE: free when the abort re-sends give up (a write may still land)
     unsafe_terminal_quarantine: bool = False  # UNSAFE (liveness): re-sends stop at quarantine, for ever
 
     def __post_init__(self) -> None:
-        for name in ("queue_timeout_s", "fence_after_s"):
+        for name in ("queue_timeout_s", "fence_after_s", "fence_unreachable_s"):
             value = getattr(self, name)
             if value is not None and not value > 0:
                 raise ValueError(f"{name}: expected seconds > 0 (or None: never), got {value!r}")
@@ -66,3 +77,4 @@ class DecodeRequest:
     sends: int = 0  # abort sends so far
     quarantined: bool = False
     resend_armed: bool = False  # an abort re-send timer is pending
+    heard: tuple[int, ...] = ()  # decode's per-rank message counts when the unreachable timer was armed

@@ -18,7 +18,9 @@ that the channel delivered from the peer it names (``_from_peer``) and that come
 told rank, the incarnation the request was addressed to (``_record_done``) — counts; anything else is
 counted (``misaddressed``, ``non_owner``) and ignored. **Fencing**: a rank whose bootstrap lease
 expired and that stayed down ``fence_after_s`` is declared dead; decode tears down its registration
-(the transfer engine refuses its writes from then on) and only then releases what waited on it.
+(the transfer engine refuses its writes from then on) and only then releases what waited on it; with
+``fence_unreachable_s``, so is a rank that holds its lease but has not acknowledged an abort that long
+(a cut control link).
 **Decode life**: a restart (``restart``) loses every request and re-registers the memory, so the old
 life's writes are refused; every message carries the life.
 
@@ -57,6 +59,7 @@ class DecodeNode:
         self.loop, self.rng, self.cfg, self.send = loop, rng, cfg, send
         self.topology, self.registry, self.on_finish, self.fence_writer = topology, registry, on_finish, fence_writer
         self.life = 0
+        self.heard = [0] * len(topology.ranks)  # per rank: messages delivered from it (the link works)
         self.fenced = [-1] * len(topology.ranks)  # per rank: the highest fenced incarnation
         self.fences: list[tuple[int, int, float]] = []  # (rank, incarnation, time)
         self.release_latencies: list[float] = []  # abort -> release, virtual seconds
@@ -67,7 +70,7 @@ class DecodeNode:
             "acks_from_restarted_rank", "stale_acks", "late_messages", "transfer_resends", "quarantines",
             "quarantine_released", "quarantined_pages_freed", "checksum_mismatches", "success", "failed",
             "misaddressed", "non_owner", "old_life_messages", "fences", "released_by_fence", "resumed_sends",
-            "paused_sends", "decode_restarts"), 0)
+            "paused_sends", "decode_restarts", "unreachable_fences"), 0)
         self.held_aborted_pages = self.peak_held_aborted_pages = 0  # pages of aborted requests awaiting acks
         self._new_life()
         self.health = RankHealth(self)  # resumes re-sends, fences dead ranks (pd.abort.decode_health)
@@ -160,6 +163,8 @@ class DecodeNode:
     # messages from prefill ---------------------------------------------------------------------------
     def handle(self, msg: object, src: int | None = None) -> None:
         """A reply from prefill; ``src``: the rank the channel delivered it from (None: not known)."""
+        if src is not None and 0 <= src < len(self.heard):
+            self.heard[src] += 1  # any message, even one acted on never: decode's link to src works
         if msg.decode_life != self.life:
             self.stats["old_life_messages"] += 1  # a reply to a previous life of this decode worker
             return
@@ -237,6 +242,8 @@ class DecodeNode:
         self.peak_held_aborted_pages = max(self.peak_held_aborted_pages, self.held_aborted_pages)
         req.abort_token = self.rng.getrandbits(63)
         self.send_aborts(req)
+        if self.cfg.fence_unreachable_s is not None:
+            self.health.watch_unacked(req)
 
     def _abortable(self, req: DecodeRequest) -> bool:
         return req.state in LIVE and self.current(req)

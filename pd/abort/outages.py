@@ -3,6 +3,7 @@
 For a partition of a rank's control link or a long prefill outage (crash, restart ``seconds`` later:
 a model reload): the peak of pages held by aborted requests awaiting acks during the outage, what was
 still held at the heal, how long after the heal the last of those was released (``None``: never — held
+for ever), the longest abort -> release of a request aborted during the outage (``None``: one is held
 for ever) and the fences of that rank meanwhile. For a permanent kill: when the rank was fenced and
 when the last request waiting on it was released.
 """
@@ -39,13 +40,16 @@ class OutageWatch:
     def report(self) -> dict:
         d = self.cluster.decode
         released = {room: t for t, room in d.releases}
+        holds = [(t - held, held) for (t, _), held in zip(d.releases, d.release_latencies)]  # (aborted at, held)
         outages = []
         for index, o in enumerate(self.outages):
             held = self._held_at_heal.get(index, set())
             still = [room for room in held if room in d.reqs]
             times = [released[room] - o["heal_s"] for room in held if room in released]
             fences = [round(t, 3) for rank, _, t in d.fences if rank == o["rank"] and t >= o["start_s"]]
+            longest = max((held for at, held in holds if o["start_s"] <= at <= o["heal_s"]), default=0.0)
             outages.append({**o, "release_after_heal_s": None if still else round(max(times, default=0.0), 4),
+                            "longest_abort_hold_s": None if still else round(longest, 4),
                             "still_held_at_end_pages": sum(len(d.reqs[room].pages) for room in still),
                             "fenced_at_s": fences})
         kills = []

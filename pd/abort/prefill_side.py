@@ -49,6 +49,7 @@ class PrefillConfig:
     source_pages: int = 1024  # the rank's own KV pool: what its writes read from
     compute_seed: int = 0  # seeds each room's forward time, which every CP rank shares
     lease_s: float = 2.0  # the bootstrap lease: a dead process is still shown serving this long
+    heartbeat_s: float = 0.5  # a live process renews its lease this often (a revoked one learns it so)
 
 
 def forward_time(cfg: PrefillConfig, room: int) -> float:

@@ -62,7 +62,7 @@ def _report(cfg: PDStressConfig, cluster: PDCluster) -> dict:
         "peak_held_aborted_pages": d.peak_held_aborted_pages,
         "fences": [{"rank": r, "incarnation": i, "at_s": round(t, 4)} for r, i, t in d.fences],
         **{k: d.stats[k] for k in ("released_by_fence", "misaddressed", "non_owner", "old_life_messages",
-                                   "resumed_sends", "paused_sends", "decode_restarts")},
+                                   "resumed_sends", "paused_sends", "decode_restarts", "unreachable_fences")},
         "fenced_writes_refused": sum(p.engine.stats["fenced_refused"] for p in prefills),
         "fenced_writes_landed": sum(p.engine.stats["fenced_landed"] for p in prefills),
         "dead_life_writes_refused": d.kv.refused_dead_life,

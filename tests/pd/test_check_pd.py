@@ -275,3 +275,23 @@ def test_a_false_suspicion_without_the_fence_frees_pages_a_live_writer_still_wri
     trace = result["counterexample"]["trace"]
     assert any("lease expires while it runs" in step for step in trace)
     assert not any("crashes" in step or "dies" in step for step in trace)  # the writer never died
+
+
+# a cut control link (decode's unreachable fence): the rank holds its lease, decode hears nothing from it ---------
+UNREACHABLE = dict(prefill_ranks=1, requests=1, faults=1, cancels=0, retries=0, polls=0, fault_kinds=("partition",),
+                   fence_unreachable=True)
+
+
+def test_fencing_an_unreachable_rank_is_safe_and_live():
+    result = run_check(CheckBounds(**UNREACHABLE))
+    assert result["complete"] and result["violations"] == [] and result["terminal_states"] > 0
+    without = run_check(CheckBounds(**{**UNREACHABLE, "fence_unreachable": False}))
+    assert without["complete"] and without["states"] < result["states"]  # the policy's timer adds interleavings
+
+
+def test_an_unreachable_fence_that_does_not_refuse_writes_frees_pages_a_live_writer_still_writes():
+    result = run_check(CheckBounds(**UNREACHABLE, guards_off=("fence-refuses-writes",)))
+    assert result["violations"] == ["freed_while_writing"]
+    trace = result["counterexample"]["trace"]
+    assert any("unreachable-fence timer" in step for step in trace)
+    assert not any("crashes" in step or "dies" in step or "lease expires" in step for step in trace)

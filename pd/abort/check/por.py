@@ -109,7 +109,8 @@ def persistent_set(w, actions: list[tuple]) -> list[tuple] | None:
 # the pending events whose footprints the module docstring covers: decode's timers (decode, the registry, the
 # fence of an engine, pushes onto decode->r), the router's submit, the registry's lease expiry, and the ranks'
 # own (prefill process and engine) events
-_DECODE_EVENTS = ("_resolve", "_timeout", "_poll", "send_aborts", "_finish", "_queue_timeout", "_suspect", "abort")
+_DECODE_EVENTS = ("_resolve", "_timeout", "_poll", "send_aborts", "_finish", "_queue_timeout", "_suspect", "abort",
+                  "unreachable")
 
 
 def _analysed(w, event: tuple) -> bool:

@@ -32,6 +32,9 @@ def stale(cluster, event: tuple) -> bool:
         req = args[0]
         dead = not (target.alive and req.incarnation == target.incarnation)
         return dead or (name == "_post" and (req.aborted or req.failed))
+    if name == "unreachable" and target is cluster.decode.health:
+        req = args[0]  # RankHealth.unreachable returns at once for a request decode no longer holds or that is acked
+        return cluster.decode.reqs.get(req.room) is not req or not req.unacked
     if name == "renew" and target is cluster:
         node = cluster.prefills[args[0]]  # that process went down (or was never up): nothing heartbeats, ever
         return not (node.up and node.incarnation == args[1])

@@ -29,9 +29,11 @@ FIELDS: dict[type, tuple[set[str], set[str]]] = {  # class -> (state, ignored)
     DecodeNode: ({"reqs", "queue", "watermarks", "_epoch", "kv", "life", "fenced"},
                  _COUNTERS | {"loop", "cfg", "send", "topology", "registry", "on_finish", "release_latencies",
                               "abort_reasons", "fence_writer", "fences", "releases", "held_aborted_pages", "health",
-                              "peak_held_aborted_pages"}),
+                              "peak_held_aborted_pages",
+                              "heard"}),  # only whether a count moved since a request's snapshot matters: hashed there
     DecodeRequest: ({"rid", "room", "n_pages", "state", "pages", "tags", "epoch", "incarnations", "told", "done_peers",
-                     "open_ranks", "abort_reason", "abort_token", "unacked", "sends", "quarantined", "resend_armed"},
+                     "open_ranks", "abort_reason", "abort_token", "unacked", "sends", "quarantined", "resend_armed",
+                     "heard"},
                     {"aborted_at"}),
     PrefillNode: ({"incarnation", "alive", "up", "book", "kv", "queue", "engine", "decode_life", "orphans"},
                   _COUNTERS | {"peer", "loop", "cfg", "send", "layers", "fraction", "registry", "_past_peaks",
@@ -114,10 +116,18 @@ class _Canon:
                     tuple(self.tag(t) for t in o.tags), o.epoch, self.per_rank(o.incarnations) if o.incarnations else (),
                     self.ranks_of(o.told), self.ranks_of(o.done_peers), self.ranks_of(o.open_ranks), o.abort_reason,
                     self.name("tok", o.abort_token), self.ranks_of(o.unacked), min(o.sends, self.sends_bound),
-                    o.quarantined, o.resend_armed)
+                    o.quarantined, o.resend_armed, self.heard_since(o))
         assert isinstance(o, PrefillRequest), f"no canonical form for {type(o).__name__}"
         return ("P", self.msg(o.msg), o.incarnation, tuple(o.sources), tuple(self.tag(t) for t in o.source_tags),
                 o.computing, o.lease, o.aborted, self.name("tok", o.token), o.failed, o.posted_all, o.done, o.orphaned)
+
+    def heard_since(self, o: DecodeRequest) -> tuple:
+        """Per rank (renamed order): has decode heard from it since ``o``'s unreachable timer was armed?
+        (the counts themselves only grow; no decision reads more than that)"""
+        if not o.heard:
+            return ()
+        heard = self.world.cluster.decode.heard
+        return self.per_rank([heard[r] != o.heard[r] for r in range(len(o.heard))])
 
     def msg(self, m):
         if isinstance(m, TransferRequest):

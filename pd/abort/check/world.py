@@ -88,7 +88,8 @@ def build_world(bounds: CheckBounds) -> World:
         max_retries=bounds.retries, min_pages=p, max_pages=p, cancel=0.0, restart_mean_s=None,
         channel=ChannelFaults(), engine=EngineFaults(),  # unused: the checker chooses deliveries and failures
         prefill=PrefillConfig(pages_per_batch=1, source_pages=r * p),
-        decode=decode_config_off(DecodeConfig(num_pages=r * p, abort_backoff=AbortBackoff(max_sends=bounds.abort_sends)),
+        decode=decode_config_off(DecodeConfig(num_pages=r * p, abort_backoff=AbortBackoff(max_sends=bounds.abort_sends),
+                                              fence_unreachable_s=1.0 if bounds.fence_unreachable else None),
                                  bounds.guards_off))
     channel = ChoiceChannel()
     cluster = PDCluster(cfg, channel=channel)
@@ -252,7 +253,7 @@ _EVENTS = {"submit": "router: submit", "_resolve": "decode: bootstrap lookup", "
            "_finish": "decode: finish decoding", "abort": "decode: abort", "_computed": "forward pass done",
            "_post": "post write batch", "restart": "restart", "_write": "write lands", "fail": "batch fails",
            "_quiesce": "empty batch quiesces", "expire": "registry: lease expires", "_suspect": "decode: fence timer",
-           "_queue_timeout": "decode: queue timeout",
+           "_queue_timeout": "decode: queue timeout", "unreachable": "decode: unreachable-fence timer",
            "renew": "registry: a live process's heartbeat returns (rank, incarnation)"}
 
 

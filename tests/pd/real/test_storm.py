@@ -58,7 +58,8 @@ def test_the_legacy_immediate_release_is_caught_on_real_memory(tmp_path):
 
 
 @pytest.mark.parametrize("flag", [["--duplicate", "0.1"], ["--misaddress", "0.1"], ["--guard-off", "owners-only"],
-                                  ["--restart-mean-s", "5"], ["--lease-loss", "5"]], ids=lambda f: f[0])
+                                  ["--restart-mean-s", "5"], ["--lease-loss", "5"],
+                                  ["--fence-unreachable-s", "5"]], ids=lambda f: f[0])
 def test_the_cli_refuses_simulation_only_faults_on_the_real_pair(flag, capsys):
     from layersplit.cli.app import main
 
