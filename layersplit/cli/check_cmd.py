@@ -77,7 +77,8 @@ def run_pd(args: argparse.Namespace) -> int:
                          pages=args.pages, retries=args.retries, cancels=args.cancels, abort_sends=args.abort_sends,
                          polls=args.polls, channel_capacity=args.channel_capacity, max_states=args.max_states,
                          timeout_s=args.timeout, legacy=args.legacy_immediate_release, guards_off=tuple(args.guard_off),
-                         fence_unreachable=args.fence_unreachable, symmetry=not args.no_symmetry, stale_events=not args.no_stale_events, por=not args.no_por,
+                         fence_unreachable=args.fence_unreachable, symmetry=not args.no_symmetry,
+                         stale_events=not args.no_stale_events, por=not args.no_por,
                          **_kinds(args.fault_kinds))
     result = run_check(bounds)
     if args.shortest:

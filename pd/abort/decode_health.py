@@ -9,7 +9,8 @@
 
 * An abort stays unacknowledged ``fence_unreachable_s`` by a rank that still holds its lease and sent
   nothing meanwhile (decode's control link to it is cut; the bootstrap server still hears it): that
-  serving process is fenced the same way, and told *revoked* at its next heartbeat it exits — the rank comes back as a newer incarnation.
+  serving process is fenced the same way, and told *revoked* at its next heartbeat it exits — the rank
+  comes back as a newer incarnation.
 
 It holds no state of its own: everything it reads and changes is the :class:`~pd.abort.decode_side.DecodeNode`'s.
 """

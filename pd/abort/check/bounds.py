@@ -24,7 +24,8 @@ class CheckBounds:
     abort re-send bound before quarantine; polls: times decode's poll timer (re-send TransferRequest)
     may fire per room; channel_capacity: messages in flight per endpoint pair
     (executions beyond it are not explored). max_states / timeout_s stop the run early (``complete``
-    is then false). ``fence_unreachable``: decode's ``fence_unreachable_s`` policy on (its timer may fire at any moment).
+    is then false). ``fence_unreachable``: decode's ``fence_unreachable_s`` policy on (its timer may
+    fire at any moment).
     ``legacy`` and ``guards_off``: the UNSAFE protocol variants (see ``pd.abort.guards``).
     ``symmetry`` / ``stale_events`` / ``por``: the reductions (all off: the exhaustive cross-check);
     ``max_depth``: explore no deeper (what a re-run for the shortest counterexample uses; None: no limit)."""
@@ -41,7 +42,7 @@ class CheckBounds:
     max_states: int = 2_000_000
     timeout_s: float = 600.0
     legacy: bool = False
-    fence_unreachable: bool = False  # decode fences a lease-holding rank it hears nothing from (any delay: time orders nothing)
+    fence_unreachable: bool = False  # decode may fence a lease-holding rank it hears nothing from (at any moment)
     guards_off: tuple[str, ...] = ()
     fault_kinds: tuple[str, ...] = FAULT_KINDS
     symmetry: bool = True  # merge states equal up to a renaming of prefill ranks and of request ids
