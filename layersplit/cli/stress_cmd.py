@@ -155,10 +155,10 @@ def _real_only_faults(args: argparse.Namespace) -> None:
     """--transport mooncake: refuse the simulation-only faults (one clear error before any process starts)."""
     for flag, value in (("--duplicate", args.duplicate), ("--restart-mean-s", args.restart_mean_s),
                         ("--misaddress", args.misaddress or None), ("--guard-off", args.guard_off or None),
-                        ("--lease-loss", args.lease_loss), ("--fence-unreachable-s", args.fence_unreachable_s)):
+                        ("--lease-loss", args.lease_loss)):
         if value is not None:
-            raise ValueError(f"{flag}: expected it only with --transport sim (the real pair has no such fault "
-                             f"or policy), got {value!r}")
+            raise ValueError(f"{flag}: expected it only with --transport sim (the real pair has no such fault), "
+                             f"got {value!r}")
     args.duplicate, args.restart_mean_s = 0.0, 0.0
 
 

@@ -73,7 +73,8 @@ def report(run, faults, run_dir: Path, wall_s: float, proxy_stats: dict) -> dict
         "abort_to_release_s": percentiles(latencies),
         "decode_successes": sum_stat("success"),  # a dead life's successes still decoding were submitted again
         **{k: sum_stat(k) for k in ("aborts", "acks", "abort_sends", "abort_resends", "fences",
-                                    "released_by_fence", "quarantines", "old_life_messages", "stale_acks")},
+                                    "released_by_fence", "unreachable_fences", "quarantines", "old_life_messages",
+                                    "stale_acks")},
         "aborts_by_reason": dict(sum((Counter(life["aborts_by_reason"]) for life in lives), Counter())),
         "memory": {k: sum(life["memory"][k] for life in lives) for k in ("deregistrations", "reregistrations")},
         "deregister_s_max": max((life["memory"]["deregister_s_max"] for life in lives), default=0.0),

@@ -17,9 +17,10 @@ pytestmark = pytest.mark.timeout(120)
 FAULTS = StormFaults(drop=0.05, max_delay_s=0.01, restart_after_s=1.0, timeout_s=90)
 
 
-def _storm(tmp_path, fence_after_s=30.0, **kw):
+def _storm(tmp_path, fence_after_s=30.0, fence_unreachable_s=None, **kw):
     cfg = PDStressConfig(requests=200, seed=kw.pop("seed", 1), topology=PrefillTopology(((0,), (1,))),
-                         restart_mean_s=None, decode=DecodeConfig(fence_after_s=fence_after_s), **kw)
+                         restart_mean_s=None, **kw,
+                         decode=DecodeConfig(fence_after_s=fence_after_s, fence_unreachable_s=fence_unreachable_s))
     return run_real_storm(RealRun(cfg), FAULTS, tmp_path / "storm")
 
 
@@ -48,6 +49,18 @@ def test_a_rank_down_past_its_lease_is_fenced_by_deregistration(tmp_path):
     assert report["registry"]["expiries"] == 1 and report["final_outcomes"] == 200
 
 
+def test_a_partitioned_rank_that_holds_its_lease_is_fenced_as_unreachable_and_comes_back_new(tmp_path):
+    """The proxy cuts rank 1's control link for 4 s; its heartbeats still reach the bootstrap server, so
+    its lease never expires. With the unreachable fence at 1 s decode deregisters its regions, the
+    server answers its next heartbeat *revoked*, the process exits and a new incarnation serves."""
+    report = _storm(tmp_path, fence_unreachable_s=1.0, partition=((1, 1.0, 4.0),))
+    assert failures(report) == [], report
+    assert report["unreachable_fences"] >= 1 and report["fences"] == report["unreachable_fences"]
+    assert report["registry"]["expiries"] == 0 and report["registry"]["revoked_sent"] >= 1  # the lease held
+    assert ("revoked_exit", "prefill1-i0") in _events(report) and report["memory"]["deregistrations"] >= 1
+    assert report["final_outcomes"] == 200
+
+
 def test_the_legacy_immediate_release_is_caught_on_real_memory(tmp_path):
     report = _storm(tmp_path, legacy_immediate_release=True, kill=((1, 1.0),))
     assert report["overwrites"] > 0, report  # late writes of aborted requests on released pages
@@ -58,8 +71,7 @@ def test_the_legacy_immediate_release_is_caught_on_real_memory(tmp_path):
 
 
 @pytest.mark.parametrize("flag", [["--duplicate", "0.1"], ["--misaddress", "0.1"], ["--guard-off", "owners-only"],
-                                  ["--restart-mean-s", "5"], ["--lease-loss", "5"],
-                                  ["--fence-unreachable-s", "5"]], ids=lambda f: f[0])
+                                  ["--restart-mean-s", "5"], ["--lease-loss", "5"]], ids=lambda f: f[0])
 def test_the_cli_refuses_simulation_only_faults_on_the_real_pair(flag, capsys):
     from layersplit.cli.app import main
 
