@@ -64,7 +64,8 @@ def add_parser(sub: argparse._SubParsersAction, int_at_least) -> None:
                    help="crash --outage-rank at --outage-at and restart it this much later (a model reload)")
     d.add_argument("--lease-loss", type=options.number_in(0, 1e6, low_open=True), default=None, metavar="SECONDS",
                    help="a false suspicion: --outage-rank's lease expires at --outage-at while it is alive and it "
-                        "heartbeats again this much later (fenced meanwhile if longer than --fence-after-s; sim only)")
+                        "heartbeats again this much later (fenced meanwhile if longer than --fence-after-s; "
+                        "mooncake: SIGSTOP, then SIGCONT this much later)")
     d.add_argument("--outage-rank", type=int_at_least(0), default=0,
                    help="the rank of --partition / --prefill-down / --lease-loss")
     d.add_argument("--outage-at", type=options.number_in(0, 1e6), default=10.0,
@@ -154,8 +155,7 @@ def _pd_config(args: argparse.Namespace):
 def _real_only_faults(args: argparse.Namespace) -> None:
     """--transport mooncake: refuse the simulation-only faults (one clear error before any process starts)."""
     for flag, value in (("--duplicate", args.duplicate), ("--restart-mean-s", args.restart_mean_s),
-                        ("--misaddress", args.misaddress or None), ("--guard-off", args.guard_off or None),
-                        ("--lease-loss", args.lease_loss)):
+                        ("--misaddress", args.misaddress or None), ("--guard-off", args.guard_off or None)):
         if value is not None:
             raise ValueError(f"{flag}: expected it only with --transport sim (the real pair has no such fault), "
                              f"got {value!r}")

@@ -1,13 +1,15 @@
 """The abort storm on real parts: decode and each prefill rank as OS processes on loopback, Mooncake
 (TCP) for the KV, ZMQ for control through a fault proxy, and real faults — SIGKILL of a prefill rank
 mid-transfer (restarted as a new incarnation), SIGKILL of decode (restarted as a new life), control
-messages dropped and delayed, a rank's link partitioned until it heals. Bounded: every fault is in the
+messages dropped and delayed, a rank's link partitioned until it heals, a rank frozen (SIGSTOP, then
+SIGCONT: its heartbeats starve, so its lease expires while it lives — a false suspicion). Bounded: every fault is in the
 config, and the run ends at ``timeout_s``.
 
 ``run_real_storm(cfg, real)`` takes the simulation's :class:`~pd.abort.stress_config.PDStressConfig`
 (workload, topology, decode and prefill configuration; ``kill`` = SIGKILL + restart ``restart_after_s``
 later, ``outage`` = SIGKILL + restart after its seconds, ``partition`` = the proxy cuts the rank's
-link, ``restart_decode`` = SIGKILL decode + a new life) and returns the report. Results are written
+link, ``lease_loss`` = SIGSTOP the rank, SIGCONT it that many seconds later, ``restart_decode`` =
+SIGKILL decode + a new life) and returns the report. Results are written
 under ``run_dir`` as they go (each process's stats, ``outcomes.jsonl``, ``faults.jsonl``). Ctrl-C or
 SIGTERM ends every process (each also dies with the supervisor: PR_SET_PDEATHSIG).
 """
@@ -136,6 +138,8 @@ class Supervisor:
         plan += [(at, "kill_prefill", (rank,)) for rank, at, _ in cfg.outage]
         plan += [(at + s, "start_prefill", (rank,)) for rank, at, s in cfg.outage]
         plan += [(at, "partition", (rank, s)) for rank, at, s in cfg.partition]
+        plan += [(at, "stop_prefill", (rank,)) for rank, at, _ in cfg.lease_loss]
+        plan += [(at + s, "cont_prefill", (rank,)) for rank, at, s in cfg.lease_loss]
         plan += [(at, "restart_decode", ()) for at in cfg.restart_decode]
         return sorted(plan, key=lambda p: p[0])
 
@@ -150,6 +154,12 @@ class Supervisor:
         elif action == "partition":
             self.proxy.partition(f"prefill{args[0]}", args[1])
             self._event("partition", endpoint=f"prefill{args[0]}", seconds=args[1])
+        elif action in ("stop_prefill", "cont_prefill"):
+            stop = action == "stop_prefill"  # a frozen process cannot exit: SIGCONT reaches the one stopped
+            proc = self.procs[f"prefill{args[0]}"]
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGSTOP if stop else signal.SIGCONT)
+                self._event("sigstop" if stop else "sigcont", process=f"prefill{args[0]}-i{self.incarnation[args[0]]}")
         elif action == "restart_decode":
             self.kill("decode")
             self._event("sigkill", process=f"decode-l{self.life}")
@@ -196,6 +206,7 @@ class Supervisor:
         for proc in self.procs.values():
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
+                proc.send_signal(signal.SIGCONT)  # a frozen one (lease_loss) takes its SIGTERM once it runs
         deadline = time.monotonic() + 15
         for proc in self.procs.values():
             with contextlib.suppress(subprocess.TimeoutExpired):

@@ -61,6 +61,20 @@ def test_a_partitioned_rank_that_holds_its_lease_is_fenced_as_unreachable_and_co
     assert report["final_outcomes"] == 200
 
 
+def test_a_frozen_rank_past_its_lease_is_fenced_and_exits_revoked_when_it_runs_again(tmp_path):
+    """SIGSTOP rank 1 for 5 s: its heartbeats starve, the lease (2 s) expires while the process lives, decode
+    fences it 1 s later by deregistration; on SIGCONT its heartbeat is answered *revoked*, it exits, a new
+    incarnation serves — and nothing it had in flight lands on a released page."""
+    report = _storm(tmp_path, fence_after_s=1.0, lease_loss=((1, 1.0, 5.0),))
+    assert failures(report) == [], report
+    events = _events(report)
+    assert events.index(("sigstop", "prefill1-i0")) < events.index(("sigcont", "prefill1-i0")) \
+        < events.index(("revoked_exit", "prefill1-i0"))
+    assert report["registry"]["expiries"] >= 1 and report["registry"]["revoked_sent"] >= 1
+    assert report["fences"] >= 1 and report["unreachable_fences"] == 0 and report["memory"]["deregistrations"] >= 1
+    assert report["final_outcomes"] == 200
+
+
 def test_the_legacy_immediate_release_is_caught_on_real_memory(tmp_path):
     report = _storm(tmp_path, legacy_immediate_release=True, kill=((1, 1.0),))
     assert report["overwrites"] > 0, report  # late writes of aborted requests on released pages
@@ -71,7 +85,7 @@ def test_the_legacy_immediate_release_is_caught_on_real_memory(tmp_path):
 
 
 @pytest.mark.parametrize("flag", [["--duplicate", "0.1"], ["--misaddress", "0.1"], ["--guard-off", "owners-only"],
-                                  ["--restart-mean-s", "5"], ["--lease-loss", "5"]], ids=lambda f: f[0])
+                                  ["--restart-mean-s", "5"]], ids=lambda f: f[0])
 def test_the_cli_refuses_simulation_only_faults_on_the_real_pair(flag, capsys):
     from layersplit.cli.app import main
 
