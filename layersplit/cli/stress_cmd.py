@@ -76,9 +76,9 @@ def add_parser(sub: argparse._SubParsersAction, int_at_least) -> None:
                    help="fence a prefill rank whose lease expired and that stayed down this long (0: never)")
     d.add_argument("--fence-unreachable-s", type=options.number_in(0, 1e6, low_open=True), default=None,
                    metavar="SECONDS",
-                   help="fence a prefill rank that holds its lease but left an abort unacknowledged this long (a "
-                        "cut control link): pages held during a partition stay bounded, the rank restarts as a new "
-                        "incarnation (default: off, hold them until the link heals)")
+                   help="fence a prefill rank that holds its lease but left an abort unacknowledged and sent "
+                        "nothing this long (a cut control link): each abort is held at most about this long, the "
+                        "rank restarts as a new incarnation (default: off, hold the pages until the link heals)")
     d.add_argument("--misaddress", type=options.number_in(0, 1, high_open=True), default=0.0,
                    help="probability a prefill reply is also delivered naming another peer or a non-owner")
     d.add_argument("--guard-off", action="append", default=[], metavar="GUARD",

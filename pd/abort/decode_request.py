@@ -12,12 +12,13 @@ What an operator configures, and the bounds it gives:
 * ``fence_unreachable_s``: a rank that *holds its lease* (the bootstrap server hears it) but has left an
   abort unacknowledged this long and sent decode **nothing at all** meanwhile (decode's control link to
   it is cut: a partition; a rank that is only slow to drain its writes still answers other rooms) is
-  fenced as if it were dead — its registration is torn down (its writes
-  refused from then on), what waited on it is released, and the process, told *revoked* at its next
-  heartbeat, exits and comes back as a new incarnation. Pages held during a partition: at most those
-  announced to the rank in ``wait_timeout_s`` + ``fence_unreachable_s`` (then again per new incarnation
-  while the link stays cut), instead of up to the whole pool until the heal. The price: a fence restarts
-  a live prefill process (in SGLang, a model reload) on a link outage longer than this. ``None`` (the
+  fenced as if it were dead: its registration is torn down (its writes refused from then on), what waited
+  on it is released, and the process, told *revoked* at its next heartbeat, exits and comes back as a
+  new incarnation. Each abort is then held at most about this long; the pages held at a time are at
+  most those announced to the rank in ``wait_timeout_s`` + ``fence_unreachable_s`` (again per new
+  incarnation while the link stays cut), instead of up to the whole pool until the heal. The price: a
+  link outage longer than this restarts a live prefill process (the real pair's exits and is started
+  again by its supervisor; a server that reloads its model on restart pays that). ``None`` (the
   default): hold the pages until the link heals.
 * ``queue_timeout_s``: a request waiting for pages is aborted after this (``wait_timeout_s`` counts
   from its page allocation, as before).

@@ -2,8 +2,8 @@
 (TCP) for the KV, ZMQ for control through a fault proxy, and real faults — SIGKILL of a prefill rank
 mid-transfer (restarted as a new incarnation), SIGKILL of decode (restarted as a new life), control
 messages dropped and delayed, a rank's link partitioned until it heals, a rank frozen (SIGSTOP, then
-SIGCONT: its heartbeats starve, so its lease expires while it lives — a false suspicion). Bounded: every fault is in the
-config, and the run ends at ``timeout_s``.
+SIGCONT: its heartbeats starve, so its lease expires while it lives — a false suspicion). Bounded: every
+fault is in the config, and the run ends at ``timeout_s``.
 
 ``run_real_storm(cfg, real)`` takes the simulation's :class:`~pd.abort.stress_config.PDStressConfig`
 (workload, topology, decode and prefill configuration; ``kill`` = SIGKILL + restart ``restart_after_s``
@@ -159,7 +159,8 @@ class Supervisor:
             proc = self.procs[f"prefill{args[0]}"]
             if proc.poll() is None:
                 proc.send_signal(signal.SIGSTOP if stop else signal.SIGCONT)
-                self._event("sigstop" if stop else "sigcont", process=f"prefill{args[0]}-i{self.incarnation[args[0]]}")
+                self._event("sigstop" if stop else "sigcont",
+                            process=f"prefill{args[0]}-i{self.incarnation[args[0]]}")
         elif action == "restart_decode":
             self.kill("decode")
             self._event("sigkill", process=f"decode-l{self.life}")
