@@ -81,8 +81,12 @@ def add_parser(sub: argparse._SubParsersAction, int_at_least) -> None:
                         "rank restarts as a new incarnation (default: off, hold the pages until the link heals)")
     d.add_argument("--misaddress", type=options.number_in(0, 1, high_open=True), default=0.0,
                    help="probability a prefill reply is also delivered naming another peer or a non-owner")
+    d.add_argument("--decode-pages", type=int_at_least(8), default=512, metavar="N",
+                   help="pages in decode's KV pool (default 512; a request takes 1 to 8)")
     d.add_argument("--guard-off", action="append", default=[], metavar="GUARD",
-                   help="UNSAFE: switch a hardening guard off (pd.abort.guards; repeatable): expect the failure it closes")
+                   help="UNSAFE: switch a hardening guard off (pd.abort.guards; repeatable): expect the failure it "
+                        "closes. mooncake: fence-refuses-writes only (decode's fence keeps the rank's regions "
+                        "registered)")
     d.add_argument("--legacy-immediate-release", action="store_true",
                    help="UNSAFE: free an aborted request's pages at once (the old race)")
     d.add_argument("--restart-after-s", type=options.number_in(0, 1e6), default=1.0,
@@ -139,7 +143,7 @@ def _pd_config(args: argparse.Namespace):
     layers = args.layers or (args.prefill_cp if real else 61)
     plan = plan_ownership(layers, args.prefill_cp, "contiguous")  # pd takes the ownership as plain data
     outage = lambda seconds: ((args.outage_rank, args.outage_at, seconds),) if seconds else ()  # noqa: E731
-    decode = decode_config_off(DecodeConfig(fence_after_s=args.fence_after_s or None,
+    decode = decode_config_off(DecodeConfig(num_pages=args.decode_pages, fence_after_s=args.fence_after_s or None,
                                             fence_unreachable_s=args.fence_unreachable_s), args.guard_off)
     return PDStressConfig(
         requests=args.requests, seed=args.seed, legacy_immediate_release=args.legacy_immediate_release,
@@ -154,11 +158,17 @@ def _pd_config(args: argparse.Namespace):
 
 def _real_only_faults(args: argparse.Namespace) -> None:
     """--transport mooncake: refuse the simulation-only faults (one clear error before any process starts)."""
+    from pd.abort.real.process import REAL_GUARDS
+
     for flag, value in (("--duplicate", args.duplicate), ("--restart-mean-s", args.restart_mean_s),
-                        ("--misaddress", args.misaddress or None), ("--guard-off", args.guard_off or None)):
+                        ("--misaddress", args.misaddress or None)):
         if value is not None:
             raise ValueError(f"{flag}: expected it only with --transport sim (the real pair has no such fault), "
                              f"got {value!r}")
+    for name in args.guard_off:
+        if name not in REAL_GUARDS:
+            raise ValueError(f"--guard-off: expected {' or '.join(REAL_GUARDS)} with --transport mooncake (the other "
+                             f"guards are simulation-only), got {name!r}")
     args.duplicate, args.restart_mean_s = 0.0, 0.0
 
 
@@ -180,18 +190,31 @@ def run_pd_real(args: argparse.Namespace) -> int:
     run_dir = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="pd-real-storm-"))
     faults = StormFaults(drop=args.drop, max_delay_s=args.max_delay_s, restart_after_s=args.restart_after_s,
                          timeout_s=args.timeout_s)
-    report = run_real_storm(RealRun(cfg, page_bytes=args.page_bytes), faults, run_dir)
+    report = run_real_storm(RealRun(cfg, page_bytes=args.page_bytes, guards_off=tuple(args.guard_off)), faults,
+                            run_dir)
     report["note"] = "real processes on loopback (wall-clock seconds): Mooncake TCP for the KV, ZMQ via a fault proxy"
     print(json.dumps(report) if args.json else "\n".join(f"{k:<28} {v}" for k, v in report.items()))
-    broken = failures(report)
+    return _pd_verdict(args, failures(report), report["overwrites"])
+
+
+def _pd_verdict(args: argparse.Namespace, broken: list[str], overwrites: int) -> int:
+    """The exit code of a pd storm (either transport): 1 where the safe protocol failed; an UNSAFE run
+    (legacy release, a guard off) is expected to fail: 0 where it did, 3 (a warning) where it did not."""
+    import sys
+
     if args.legacy_immediate_release:
-        if not report["overwrites"]:
-            print("warning: the legacy release showed no late write on real memory; run more --requests")
+        if not overwrites:
+            print("warning: the legacy release reproduced no overwrite; run more --requests", file=sys.stderr)
             return 3
         return 0
-    if broken:
-        import sys
-
+    if args.guard_off:  # UNSAFE: the run is expected to show what the guard closes
+        if not broken:
+            print(f"warning: no failure with {', '.join(args.guard_off)} off; run more --requests or its scenario",
+                  file=sys.stderr)
+            return 3
+        print("UNSAFE run failed as expected: " + ", ".join(broken), file=sys.stderr)
+        return 0
+    if broken:  # the safe protocol let a write land on a reused page, leaked, or still holds pages: a bug
         print("FAILED: " + ", ".join(broken), file=sys.stderr)
         return 1
     return 0
@@ -213,27 +236,7 @@ def run_pd(args: argparse.Namespace) -> int:
     else:
         for key, value in report.items():
             print(f"{key:<28} {value}")
-    if args.legacy_immediate_release:
-        if not report["overwrites"]:
-            print("warning: the legacy release reproduced no overwrite; run more --requests")
-            return 3
-        return 0
-    broken = failures(report)
-    if args.guard_off:  # UNSAFE: the run is expected to show what the guard closes
-        import sys
-
-        if not broken:
-            print(f"warning: no failure with {', '.join(args.guard_off)} off; run more --requests or its scenario",
-                  file=sys.stderr)
-            return 3
-        print("UNSAFE run failed as expected: " + ", ".join(broken), file=sys.stderr)
-        return 0
-    if broken:  # the safe protocol let a write land on a reused page, leaked, or still holds pages: a bug
-        import sys
-
-        print("FAILED: " + ", ".join(broken), file=sys.stderr)
-        return 1
-    return 0
+    return _pd_verdict(args, failures(report), report["overwrites"])
 
 
 def run_hicache(args: argparse.Namespace) -> int:

@@ -76,7 +76,8 @@ class DecodeProcess(Process):
         self.life = self.me["life"]
         engine, session = open_engine()
         self.memory = DecodeMemory(engine, session, self.life, cfg.decode.num_pages, self.run.page_bytes,
-                                   cfg.topology.layers_by_rank)
+                                   cfg.topology.layers_by_rank,
+                                   refuse_fenced="fence-refuses-writes" not in self.run.guards_off)
         path = run_dir / f"layout-{self.life}.pkl"
         path.with_suffix(".tmp").write_bytes(pickle.dumps(self.memory.layout()))
         path.with_suffix(".tmp").replace(path)

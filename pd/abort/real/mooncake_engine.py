@@ -33,6 +33,10 @@ buffered in decode's sockets landed before ``unregister_memory`` returned. So:
   after it reaped the old one. If the old incarnation was not fenced yet (it restarted within its
   lease), ``readmit`` fences it first — deregistration flushes what it left in flight.
 
+``refuse_fenced=False`` (UNSAFE: the real pair's ``--guard-off fence-refuses-writes``, for the storm that shows
+the fence has teeth) keeps a fenced rank's regions registered: decode still releases what it was told, and
+whatever the fenced process posts afterwards lands on those released pages.
+
 The writer-side ``MooncakeEngine.fence`` keeps the simulated engine's meaning for posts not yet made
 (a fenced owner's post is refused and quiesces at once); bytes already handed to Mooncake are fenced
 only by decode's deregistration.
@@ -88,8 +92,9 @@ class DecodeMemory:
     ``engine``; rank ``r`` of ``layers_by_rank`` writes only its own layers' regions."""
 
     def __init__(self, engine, session: str, life: int, num_pages: int, page_bytes: int,
-                 layers_by_rank: tuple[tuple[int, ...], ...]) -> None:
+                 layers_by_rank: tuple[tuple[int, ...], ...], refuse_fenced: bool = True) -> None:
         self.engine, self.session, self.life = engine, session, life
+        self.refuse_fenced = refuse_fenced
         self.num_pages, self.page_bytes, self.layers_by_rank = num_pages, page_bytes, layers_by_rank
         num_layers = sum(len(ls) for ls in layers_by_rank)
         self.layers = [np.full((num_pages, page_bytes), POISON, np.uint8) for _ in range(num_layers)]
@@ -97,7 +102,8 @@ class DecodeMemory:
             register(engine, region.ctypes.data, region.nbytes)
         self.registered = [True] * num_layers
         self.fenced_upto = [-1] * len(layers_by_rank)  # per rank: the highest incarnation fenced
-        self.stats = {"deregistrations": 0, "reregistrations": 0, "deregister_s_max": 0.0}
+        self.stats = {"deregistrations": 0, "reregistrations": 0, "deregister_s_max": 0.0,
+                      "unsafe_fences_kept_registered": 0}
 
     def layout(self) -> DecodeLayout:
         return DecodeLayout(self.life, self.session, tuple(r.ctypes.data for r in self.layers),
@@ -105,7 +111,12 @@ class DecodeMemory:
 
     def fence(self, rank: int, incarnation: int) -> None:
         """Deregister ``rank``'s regions; returns once ``unregister_memory`` returned, so nothing an
-        incarnation ``<= incarnation`` posted can land from then on (the DecodeNode's ``fence_writer``)."""
+        incarnation ``<= incarnation`` posted can land from then on (the DecodeNode's ``fence_writer``).
+        With ``refuse_fenced`` off (UNSAFE) the regions stay registered: the fence is only a record."""
+        if not self.refuse_fenced:
+            self.stats["unsafe_fences_kept_registered"] += 1
+            self.fenced_upto[rank] = max(self.fenced_upto[rank], incarnation)
+            return
         for layer in self.layers_by_rank[rank]:
             if self.registered[layer]:
                 start = time.monotonic()
@@ -123,6 +134,8 @@ class DecodeMemory:
         assert incarnation > self.fenced_upto[rank], f"rank {rank}: incarnation {incarnation} was fenced"
         self.fence(rank, incarnation - 1)
         for layer in self.layers_by_rank[rank]:
+            if self.registered[layer]:  # only where the (UNSAFE) fence left it registered
+                continue
             region = self.layers[layer]
             register(self.engine, region.ctypes.data, region.nbytes)
             self.registered[layer] = True

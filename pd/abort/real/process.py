@@ -25,6 +25,19 @@ class RealRun:
     scan_s: float = 0.5  # decode: check the free pages for late writes this often
     heartbeat_s: float = 0.25
     drain_s: float = 20.0  # decode: after the last outcome, wait this long for held pages
+    guards_off: tuple[str, ...] = ()  # UNSAFE: of REAL_GUARDS only (the storm then shows what the guard closes)
+
+    def __post_init__(self) -> None:
+        for name in self.guards_off:
+            if name not in REAL_GUARDS:
+                raise ValueError(f"guards_off: expected some of {', '.join(REAL_GUARDS)} on the real pair "
+                                 f"(the others are simulation-only), got {name!r}")
+        object.__setattr__(self, "guards_off", tuple(self.guards_off))
+
+
+# the guards the real pair can switch off: decode's fence by deregistration (a real transfer engine refuses
+# a fenced writer only that way; see pd.abort.real.mooncake_engine)
+REAL_GUARDS = ("fence-refuses-writes",)
 
 
 def write_json(path: Path, obj) -> None:

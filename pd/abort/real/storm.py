@@ -9,7 +9,8 @@ fault is in the config, and the run ends at ``timeout_s``.
 (workload, topology, decode and prefill configuration; ``kill`` = SIGKILL + restart ``restart_after_s``
 later, ``outage`` = SIGKILL + restart after its seconds, ``partition`` = the proxy cuts the rank's
 link, ``lease_loss`` = SIGSTOP the rank, SIGCONT it that many seconds later, ``restart_decode`` =
-SIGKILL decode + a new life) and returns the report. Results are written
+SIGKILL decode + a new life) and returns the report. Fault times count from the moment decode's first
+life is ready (serving), so a process's start-up time never moves a fault. Results are written
 under ``run_dir`` as they go (each process's stats, ``outcomes.jsonl``, ``faults.jsonl``). Ctrl-C or
 SIGTERM ends every process (each also dies with the supervisor: PR_SET_PDEATHSIG).
 """
@@ -176,7 +177,9 @@ class Supervisor:
         self.t0 = time.monotonic()
         self._event("start", process="decode-l0")
         self.start_decode()
-        plan = self.schedule()
+        serving = time.monotonic() - self.t0  # the storm's zero: decode-l0 is ready and admitting
+        self._event("ready", process="decode-l0")
+        plan = [(at + serving, action, args) for at, action, args in self.schedule()]
         while not (self.dir / f"done-decode-l{self.life}").exists():
             now = time.monotonic() - self.t0
             if now > self.faults.timeout_s:

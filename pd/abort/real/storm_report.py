@@ -52,7 +52,8 @@ def report(run, faults, run_dir: Path, wall_s: float, proxy_stats: dict) -> dict
                default=wall_s)
     return {
         "transport": "mooncake-tcp + zmq (real processes on loopback)", "requests": cfg.requests, "seed": cfg.seed,
-        "legacy_immediate_release": cfg.legacy_immediate_release, "prefill_cp": len(cfg.topology.ranks),
+        "legacy_immediate_release": cfg.legacy_immediate_release, "guards_off": list(run.guards_off),
+        "prefill_cp": len(cfg.topology.ranks),
         "layers_by_rank": [list(x) for x in cfg.topology.layers_by_rank], "page_bytes": run.page_bytes,
         "wall_s": round(wall_s, 3), "final_outcomes": len(lines), "outcomes": dict(outcomes),
         "requests_per_s": round(outcomes["success"] / max(span, 1e-9), 2), "span_s": round(span, 3),
@@ -77,6 +78,7 @@ def report(run, faults, run_dir: Path, wall_s: float, proxy_stats: dict) -> dict
                                     "stale_acks")},
         "aborts_by_reason": dict(sum((Counter(life["aborts_by_reason"]) for life in lives), Counter())),
         "memory": {k: sum(life["memory"][k] for life in lives) for k in ("deregistrations", "reregistrations")},
+        "unsafe_fences_kept_registered": sum(life["memory"]["unsafe_fences_kept_registered"] for life in lives),
         "deregister_s_max": max((life["memory"]["deregister_s_max"] for life in lives), default=0.0),
         "registry": {k: sum(life["registry"][k] for life in lives) for k in ("admissions", "readmissions",
                                                                               "expiries", "revoked_sent")},

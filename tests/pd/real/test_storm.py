@@ -32,7 +32,7 @@ def test_kills_a_partition_and_drops_leave_no_overwrite_leak_or_held_page(tmp_pa
     report = _storm(tmp_path, kill=((1, 0.8),), partition=((0, 2.0, 0.5),), restart_decode=(2.4,))
     assert failures(report) == [], report
     assert report["final_outcomes"] == 200 and report["outcomes"]["success"] > 100
-    assert _events(report) == [("start", "decode-l0"), ("sigkill", "prefill1-i0"), ("start", "prefill1-i1"),
+    assert _events(report) == [("start", "decode-l0"), ("ready", "decode-l0"), ("sigkill", "prefill1-i0"), ("start", "prefill1-i1"),
                                ("partition", "prefill0"), ("sigkill", "decode-l0"), ("start", "decode-l1")]
     first, second = report["lives"]
     assert 0 < second["pending_at_start"] < 200  # life 1 submits again what life 0 left without an outcome
@@ -61,18 +61,43 @@ def test_a_partitioned_rank_that_holds_its_lease_is_fenced_as_unreachable_and_co
     assert report["final_outcomes"] == 200
 
 
+# the freeze's pool: larger than the 200 requests ever ask for, so no released page is handed out again and each
+# byte written on one after its release is still there when decode's scan looks (with pages reused, the new
+# owner's own write can erase that evidence before any check reads it); arrivals over ~10 s, so the run
+# outlasts the freeze and the revoked exit
+# rank 1 frozen 1 s into the storm for 5 s, its control link cut for 5.5 s: no abort reaches it, so when it
+# runs again the forwards it was running finish and post before its heartbeat is answered revoked
+FROZEN = dict(requests=200, seed=1, topology=PrefillTopology(((0,), (1,))), restart_mean_s=None,
+              mean_arrival_s=0.05, lease_loss=((1, 1.0, 5.0),), partition=((1, 1.0, 5.5),),
+              decode=DecodeConfig(fence_after_s=1.0, num_pages=4096))
+
+
 def test_a_frozen_rank_past_its_lease_is_fenced_and_exits_revoked_when_it_runs_again(tmp_path):
-    """SIGSTOP rank 1 for 5 s: its heartbeats starve, the lease (2 s) expires while the process lives, decode
-    fences it 1 s later by deregistration; on SIGCONT its heartbeat is answered *revoked*, it exits, a new
-    incarnation serves — and nothing it had in flight lands on a released page."""
-    report = _storm(tmp_path, fence_after_s=1.0, lease_loss=((1, 1.0, 5.0),))
+    """SIGSTOP rank 1 for 5 s (its link cut too): its heartbeats starve, the lease (2 s) expires while the
+    process lives, decode fences it 1 s later by deregistration and releases its pages; on SIGCONT what it
+    posts fails (its regions are gone), its heartbeat is answered *revoked*, it exits, a new incarnation
+    serves — and nothing it had in flight lands on a released page."""
+    report = run_real_storm(RealRun(PDStressConfig(**FROZEN)), FAULTS, tmp_path / "storm")
     assert failures(report) == [], report
     events = _events(report)
     assert events.index(("sigstop", "prefill1-i0")) < events.index(("sigcont", "prefill1-i0")) \
         < events.index(("revoked_exit", "prefill1-i0"))
     assert report["registry"]["expiries"] >= 1 and report["registry"]["revoked_sent"] >= 1
     assert report["fences"] >= 1 and report["unreachable_fences"] == 0 and report["memory"]["deregistrations"] >= 1
-    assert report["final_outcomes"] == 200
+    assert report["released_by_fence"] > 0 and report["final_outcomes"] == 200
+    assert report["engine"]["errors"] >= 1  # the frozen rank's writes after the fence: failed, not landed
+
+
+def test_with_the_fence_kept_registered_the_frozen_ranks_writes_land_on_released_pages(tmp_path):
+    """The teeth of the test above: the same freeze with ``fence-refuses-writes`` off (UNSAFE: decode fences
+    by record only and keeps the rank's regions registered). Decode still releases what the rank was told;
+    when the rank runs again, the writes its finished forwards post land on those released pages."""
+    run = RealRun(PDStressConfig(**FROZEN), guards_off=("fence-refuses-writes",))
+    report = run_real_storm(run, FAULTS, tmp_path / "storm")
+    assert report["guards_off"] == ["fence-refuses-writes"] and report["unsafe_fences_kept_registered"] >= 1
+    assert report["memory"]["deregistrations"] == 0 and report["released_by_fence"] > 0
+    assert report["landing"]["late_writes_on_free_pages"] > 0, report  # the fenced writer's bytes, found
+    assert all(e["owner"] is None for e in report["overwrite_log"] if e["kind"] == "late_writes_on_free_pages")
 
 
 def test_the_legacy_immediate_release_is_caught_on_real_memory(tmp_path):
@@ -84,13 +109,23 @@ def test_the_legacy_immediate_release_is_caught_on_real_memory(tmp_path):
     assert report["acks"] == 0  # the legacy release waits for nothing
 
 
-@pytest.mark.parametrize("flag", [["--duplicate", "0.1"], ["--misaddress", "0.1"], ["--guard-off", "owners-only"],
-                                  ["--restart-mean-s", "5"]], ids=lambda f: f[0])
+@pytest.mark.parametrize("flag", [["--duplicate", "0.1"], ["--misaddress", "0.1"], ["--restart-mean-s", "5"]],
+                         ids=lambda f: f[0])
 def test_the_cli_refuses_simulation_only_faults_on_the_real_pair(flag, capsys):
     from layersplit.cli.app import main
 
     assert main(["stress", "pd", "--transport", "mooncake", *flag]) == 2
     assert f"{flag[0]}: expected it only with --transport sim" in capsys.readouterr().err
+
+
+def test_the_cli_refuses_a_simulation_only_guard_on_the_real_pair(capsys):
+    from layersplit.cli.app import main
+
+    assert main(["stress", "pd", "--transport", "mooncake", "--guard-off", "owners-only"]) == 2
+    assert ("--guard-off: expected fence-refuses-writes with --transport mooncake (the other guards are "
+            "simulation-only), got 'owners-only'") in capsys.readouterr().err
+    with pytest.raises(ValueError, match="guards_off: expected some of fence-refuses-writes"):
+        RealRun(PDStressConfig(requests=1), guards_off=("owners-only",))
 
 
 def test_the_cli_runs_a_small_real_storm(tmp_path, capsys):
