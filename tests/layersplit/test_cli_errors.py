@@ -33,6 +33,7 @@ CASES = [
      "--context-len: expected <= 1,624,268 tokens"),
     (["stress", "hicache", "--seed", str(2**70)], "layersplit stress hicache: error: argument --seed"),
     (["stress", "pd", "--drop", "1.5"], "layersplit stress pd: error: argument --drop: expected a number in [0, 1)"),
+    (["stress", "pd", "--decode-pages", "4"], "argument --decode-pages: expected an integer >= 8, got 4"),
     (["sweep", "--out", "/etc/hostname/sweep"], "argument --out: cannot write"),
     (["monitor", "replay", str(CPU_SWEEP.parents[2] / "tests" / "pd" / "data" / "empty.jsonl")],
      "layersplit monitor replay: error: file: expected at least one JSONL record"),
