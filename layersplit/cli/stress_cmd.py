@@ -57,7 +57,7 @@ def add_parser(sub: argparse._SubParsersAction, int_at_least) -> None:
     d.add_argument("--kill-rank", type=_pd_kill, action="append", default=[], metavar="RANK@SECONDS",
                    help="crash a prefill rank for good at this virtual time (a dead peer: fenced after "
                         "--fence-after-s); repeatable. mooncake: SIGKILL at this wall second, restarted as a new "
-                        "incarnation --restart-after-s later")
+                        "incarnation --restart-after-s later (never: for good, as in sim)")
     d.add_argument("--partition", type=options.number_in(0, 1e6, low_open=True), default=None, metavar="SECONDS",
                    help="cut --outage-rank's control link at --outage-at for this long (its lease stays valid)")
     d.add_argument("--prefill-down", type=options.number_in(0, 1e6, low_open=True), default=None, metavar="SECONDS",
@@ -89,8 +89,9 @@ def add_parser(sub: argparse._SubParsersAction, int_at_least) -> None:
                         "registered)")
     d.add_argument("--legacy-immediate-release", action="store_true",
                    help="UNSAFE: free an aborted request's pages at once (the old race)")
-    d.add_argument("--restart-after-s", type=options.number_in(0, 1e6), default=1.0,
-                   help="mooncake: a --kill-rank rank comes back this many seconds after its SIGKILL (default 1)")
+    d.add_argument("--restart-after-s", type=_seconds_or_never, default=1.0, metavar="SECONDS|never",
+                   help="mooncake: a --kill-rank rank comes back this many seconds after its SIGKILL (default 1; "
+                        "never: killed for good, fenced once its lease is gone)")
     d.add_argument("--page-bytes", type=int_at_least(17), default=16384,
                    help="mooncake: bytes per KV page per layer (default 16384)")
     d.add_argument("--out", default=None, metavar="DIR",
@@ -115,6 +116,15 @@ def add_parser(sub: argparse._SubParsersAction, int_at_least) -> None:
                     help="UNSAFE: use a staging slot without waiting for its broadcast (slot), or broadcast a "
                          "layer without waiting for its HiCache load (load); shows the detector firing")
     sp.set_defaults(func=run_sglang_pool)
+
+
+def _seconds_or_never(text: str) -> float | None:
+    if text == "never":
+        return None
+    try:
+        return options.number_in(0, 1e6)(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"expected seconds in [0, 1e+06] or never, got {text!r}") from None
 
 
 def _pd_kill(text: str) -> tuple[int, float]:

@@ -34,6 +34,7 @@ CASES = [
     (["stress", "hicache", "--seed", str(2**70)], "layersplit stress hicache: error: argument --seed"),
     (["stress", "pd", "--drop", "1.5"], "layersplit stress pd: error: argument --drop: expected a number in [0, 1)"),
     (["stress", "pd", "--decode-pages", "4"], "argument --decode-pages: expected an integer >= 8, got 4"),
+    (["stress", "pd", "--restart-after-s", "soon"], "argument --restart-after-s: expected seconds in [0, 1e+06] or never"),
     (["sweep", "--out", "/etc/hostname/sweep"], "argument --out: cannot write"),
     (["monitor", "replay", str(CPU_SWEEP.parents[2] / "tests" / "pd" / "data" / "empty.jsonl")],
      "layersplit monitor replay: error: file: expected at least one JSONL record"),

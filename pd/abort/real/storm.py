@@ -7,7 +7,7 @@ fault is in the config, and the run ends at ``timeout_s``.
 
 ``run_real_storm(cfg, real)`` takes the simulation's :class:`~pd.abort.stress_config.PDStressConfig`
 (workload, topology, decode and prefill configuration; ``kill`` = SIGKILL + restart ``restart_after_s``
-later, ``outage`` = SIGKILL + restart after its seconds, ``partition`` = the proxy cuts the rank's
+later (``None``: for good), ``outage`` = SIGKILL + restart after its seconds, ``partition`` = the proxy cuts the rank's
 link, ``lease_loss`` = SIGSTOP the rank, SIGCONT it that many seconds later, ``restart_decode`` =
 SIGKILL decode + a new life) and returns the report. Fault times count from the moment decode's first
 life is ready (serving), so a process's start-up time never moves a fault. Results are written
@@ -42,7 +42,12 @@ class StormFaults:
     drop: float = 0.0  # the proxy's per-message loss
     min_delay_s: float = 0.0
     max_delay_s: float = 0.0
-    restart_after_s: float = 1.0  # a SIGKILLed prefill rank (``kill``) comes back this long after
+    restart_after_s: float | None = 1.0  # a SIGKILLed prefill rank (``kill``) comes back this long after;
+    # None: never (a permanent kill: decode fences the dead rank once its lease is gone and releases its pages)
+
+    def __post_init__(self) -> None:
+        if self.restart_after_s is not None and not self.restart_after_s >= 0:
+            raise ValueError(f"restart_after_s: expected seconds >= 0 or None (never), got {self.restart_after_s!r}")
     timeout_s: float = 600.0  # the whole run
 
 
@@ -135,7 +140,8 @@ class Supervisor:
     def schedule(self) -> list[tuple[float, str, tuple]]:
         cfg, f = self.run.stress, self.faults
         plan = [(at, "kill_prefill", (rank,)) for rank, at in cfg.kill]
-        plan += [(at + f.restart_after_s, "start_prefill", (rank,)) for rank, at in cfg.kill]
+        if f.restart_after_s is not None:
+            plan += [(at + f.restart_after_s, "start_prefill", (rank,)) for rank, at in cfg.kill]
         plan += [(at, "kill_prefill", (rank,)) for rank, at, _ in cfg.outage]
         plan += [(at + s, "start_prefill", (rank,)) for rank, at, s in cfg.outage]
         plan += [(at, "partition", (rank, s)) for rank, at, s in cfg.partition]

@@ -4,7 +4,8 @@ Decode lives: the landing checker's counts and the protocol's are summed over ev
 life's last snapshot, at most ``snapshot_s`` old, stands for it); what is held and leaked at the end is
 the last life's (a dead life's memory died with it). Abort -> release latencies are pooled over the
 lives, in wall-clock seconds. Prefill: summed over every incarnation of every rank; leaks and records
-at the end are the last incarnations'. ``requests_per_s``: successful requests per wall second of the
+at the end are the last incarnations' that ended (a rank killed for good died with its memory: it is
+counted in ``prefill_ranks_dead_at_end``, its last snapshot is no end state). ``requests_per_s``: successful requests per wall second of the
 pair, from the supervisor starting decode's first life to the last request's final outcome (each
 life's clock starts when its process is up, so a restarted life's span is short by its start-up time).
 """
@@ -44,6 +45,7 @@ def report(run, faults, run_dir: Path, wall_s: float, proxy_stats: dict) -> dict
     for p in prefills:
         if p["rank"] not in newest or p["incarnation"] > newest[p["rank"]]["incarnation"]:
             newest[p["rank"]] = p
+    ended = [p for p in newest.values() if p.get("final")]
     sum_life = lambda key: sum(life["checks"][key] for life in lives)  # noqa: E731
     sum_stat = lambda key: sum(life["stats"][key] for life in lives)  # noqa: E731
     starts = {int(e["process"][len("decode-l"):]): e["at_s"] for e in events
@@ -70,7 +72,8 @@ def report(run, faults, run_dir: Path, wall_s: float, proxy_stats: dict) -> dict
         "leaked_pages": last.get("leaked_pages", 0), "requests_still_held": last.get("requests_still_held", 0),
         "pages_held_at_end": last.get("pages_held_at_end", 0),
         "quarantined_pages_at_end": last.get("quarantined_pages_at_end", 0),
-        "prefill_leaked_pages": sum(p["prefill_leaked_pages"] for p in newest.values()),
+        "prefill_leaked_pages": sum(p["prefill_leaked_pages"] for p in ended),
+        "prefill_ranks_dead_at_end": len(newest) - len(ended),
         "abort_to_release_s": percentiles(latencies),
         "decode_successes": sum_stat("success"),  # a dead life's successes still decoding were submitted again
         **{k: sum_stat(k) for k in ("aborts", "acks", "abort_sends", "abort_resends", "fences",
@@ -83,7 +86,7 @@ def report(run, faults, run_dir: Path, wall_s: float, proxy_stats: dict) -> dict
         "registry": {k: sum(life["registry"][k] for life in lives) for k in ("admissions", "readmissions",
                                                                               "expiries", "revoked_sent")},
         "engine": {k: sum(p["engine"][k] for p in prefills) for k in ("batches", "writes", "errors", "post_failures")},
-        "prefill_in_flight_at_end": sum(p["in_flight"] for p in newest.values()),
+        "prefill_in_flight_at_end": sum(p["in_flight"] for p in ended),
         "prefill_stats": {k: sum(p["stats"][k] for p in prefills) for k in ("rejected_late", "wrong_incarnation",
                                                                              "acks_sent", "orphaned", "decode_lives")},
         "run_dir": str(run_dir),

@@ -38,6 +38,7 @@ def test_kills_a_partition_and_drops_leave_no_overwrite_leak_or_held_page(tmp_pa
     assert 0 < second["pending_at_start"] < 200  # life 1 submits again what life 0 left without an outcome
     assert report["prefill_stats"]["decode_lives"] >= 2  # both ranks heard of the new life
     assert report["proxy"]["dropped"] > 0 and report["proxy"]["cut"] > 0
+    assert report["prefill_ranks_dead_at_end"] == 0  # every rank's last process ended and said so
     assert report["landing"]["pages_read"] > 500 and report["engine"]["errors"] > 0  # writes failed at the kills
 
 
@@ -98,6 +99,27 @@ def test_with_the_fence_kept_registered_the_frozen_ranks_writes_land_on_released
     assert report["memory"]["deregistrations"] == 0 and report["released_by_fence"] > 0
     assert report["landing"]["late_writes_on_free_pages"] > 0, report  # the fenced writer's bytes, found
     assert all(e["owner"] is None for e in report["overwrite_log"] if e["kind"] == "late_writes_on_free_pages")
+
+
+def test_a_rank_killed_for_good_is_fenced_and_nothing_is_held_at_the_end(tmp_path):
+    """SIGKILL rank 1 and never restart it: its lease lapses (2 s), decode fences it 1 s later by
+    deregistration and releases what it was told; every request still ends, and nothing is held."""
+    cfg = PDStressConfig(requests=200, seed=1, topology=PrefillTopology(((0,), (1,))), restart_mean_s=None,
+                         kill=((1, 1.0),), decode=DecodeConfig(fence_after_s=1.0))
+    faults = StormFaults(drop=0.05, max_delay_s=0.01, restart_after_s=None, timeout_s=90)
+    report = run_real_storm(RealRun(cfg), faults, tmp_path / "storm")
+    assert failures(report) == [], report
+    assert _events(report) == [("start", "decode-l0"), ("ready", "decode-l0"), ("sigkill", "prefill1-i0")]
+    assert report["prefill_ranks_dead_at_end"] == 1 and report["registry"]["expiries"] == 1
+    assert report["fences"] == 1 and report["released_by_fence"] > 0
+    assert report["memory"] == {"deregistrations": 1, "reregistrations": 0}
+    assert report["final_outcomes"] == 200 and report["pages_held_at_end"] == 0
+    assert report["quarantined_pages_at_end"] == 0 and report["abort_to_release_s"]["max"] < 5.0  # lease + fence
+
+
+def test_a_restart_delay_is_seconds_or_never():
+    with pytest.raises(ValueError, match="restart_after_s: expected seconds >= 0 or None"):
+        StormFaults(restart_after_s=-1.0)
 
 
 def test_the_legacy_immediate_release_is_caught_on_real_memory(tmp_path):
