@@ -7,12 +7,12 @@ fault is in the config, and the run ends at ``timeout_s``.
 
 ``run_real_storm(cfg, real)`` takes the simulation's :class:`~pd.abort.stress_config.PDStressConfig`
 (workload, topology, decode and prefill configuration; ``kill`` = SIGKILL + restart ``restart_after_s``
-later (``None``: for good), ``outage`` = SIGKILL + restart after its seconds, ``partition`` = the proxy cuts the rank's
-link, ``lease_loss`` = SIGSTOP the rank, SIGCONT it that many seconds later, ``restart_decode`` =
-SIGKILL decode + a new life) and returns the report. Fault times count from the moment decode's first
-life is ready (serving), so a process's start-up time never moves a fault. Results are written
-under ``run_dir`` as they go (each process's stats, ``outcomes.jsonl``, ``faults.jsonl``). Ctrl-C or
-SIGTERM ends every process (each also dies with the supervisor: PR_SET_PDEATHSIG).
+later (``None``: for good), ``outage`` = SIGKILL + restart after its seconds, ``partition`` = the proxy
+cuts the rank's link, ``lease_loss`` = SIGSTOP the rank, SIGCONT it that many seconds later,
+``restart_decode`` = SIGKILL decode + a new life) and returns the report. Fault times count from the
+moment decode's first life is ready (serving), so a process's start-up time never moves a fault.
+Results are written under ``run_dir`` as they go (each process's stats, ``outcomes.jsonl``,
+``faults.jsonl``). Ctrl-C or SIGTERM ends every process (each also dies with the supervisor: PR_SET_PDEATHSIG).
 """
 
 from __future__ import annotations
@@ -44,11 +44,11 @@ class StormFaults:
     max_delay_s: float = 0.0
     restart_after_s: float | None = 1.0  # a SIGKILLed prefill rank (``kill``) comes back this long after;
     # None: never (a permanent kill: decode fences the dead rank once its lease is gone and releases its pages)
+    timeout_s: float = 600.0  # the whole run
 
     def __post_init__(self) -> None:
         if self.restart_after_s is not None and not self.restart_after_s >= 0:
             raise ValueError(f"restart_after_s: expected seconds >= 0 or None (never), got {self.restart_after_s!r}")
-    timeout_s: float = 600.0  # the whole run
 
 
 def _port() -> str:

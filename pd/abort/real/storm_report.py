@@ -5,9 +5,10 @@ life's last snapshot, at most ``snapshot_s`` old, stands for it); what is held a
 the last life's (a dead life's memory died with it). Abort -> release latencies are pooled over the
 lives, in wall-clock seconds. Prefill: summed over every incarnation of every rank; leaks and records
 at the end are the last incarnations' that ended (a rank killed for good died with its memory: it is
-counted in ``prefill_ranks_dead_at_end``, its last snapshot is no end state). ``requests_per_s``: successful requests per wall second of the
-pair, from the supervisor starting decode's first life to the last request's final outcome (each
-life's clock starts when its process is up, so a restarted life's span is short by its start-up time).
+counted in ``prefill_ranks_dead_at_end``, its last snapshot is no end state). ``requests_per_s``:
+successful requests per wall second of the pair, from the supervisor starting decode's first life to
+the last request's final outcome (each life's clock starts when its process is up, so a restarted
+life's span is short by its start-up time).
 """
 
 from __future__ import annotations

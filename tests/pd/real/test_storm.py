@@ -32,8 +32,9 @@ def test_kills_a_partition_and_drops_leave_no_overwrite_leak_or_held_page(tmp_pa
     report = _storm(tmp_path, kill=((1, 0.8),), partition=((0, 2.0, 0.5),), restart_decode=(2.4,))
     assert failures(report) == [], report
     assert report["final_outcomes"] == 200 and report["outcomes"]["success"] > 100
-    assert _events(report) == [("start", "decode-l0"), ("ready", "decode-l0"), ("sigkill", "prefill1-i0"), ("start", "prefill1-i1"),
-                               ("partition", "prefill0"), ("sigkill", "decode-l0"), ("start", "decode-l1")]
+    assert _events(report) == [("start", "decode-l0"), ("ready", "decode-l0"), ("sigkill", "prefill1-i0"),
+                               ("start", "prefill1-i1"), ("partition", "prefill0"), ("sigkill", "decode-l0"),
+                               ("start", "decode-l1")]
     first, second = report["lives"]
     assert 0 < second["pending_at_start"] < 200  # life 1 submits again what life 0 left without an outcome
     assert report["prefill_stats"]["decode_lives"] >= 2  # both ranks heard of the new life
