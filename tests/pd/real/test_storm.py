@@ -63,12 +63,12 @@ def test_a_partitioned_rank_that_holds_its_lease_is_fenced_as_unreachable_and_co
     assert report["final_outcomes"] == 200
 
 
-# the freeze's pool: larger than the 200 requests ever ask for, so no released page is handed out again and each
-# byte written on one after its release is still there when decode's scan looks (with pages reused, the new
-# owner's own write can erase that evidence before any check reads it); arrivals over ~10 s, so the run
-# outlasts the freeze and the revoked exit
-# rank 1 frozen 1 s into the storm for 5 s, its control link cut for 5.5 s: no abort reaches it, so when it
-# runs again the forwards it was running finish and post before its heartbeat is answered revoked
+# The freeze: rank 1 frozen 1 s into the storm for 5 s, its control link cut for 5.5 s, so no abort reaches
+# it and, when it runs again, the forwards it was running finish and post before its heartbeat is answered
+# revoked. The pool is larger than the 200 requests ever ask for, so no released page is handed out again
+# and a byte written on one after its release is still there when decode's scan looks (with pages reused,
+# the new owner's own write can erase that evidence first); arrivals span ~10 s, so the run outlasts the
+# freeze and the revoked exit.
 FROZEN = dict(requests=200, seed=1, topology=PrefillTopology(((0,), (1,))), restart_mean_s=None,
               mean_arrival_s=0.05, lease_loss=((1, 1.0, 5.0),), partition=((1, 1.0, 5.5),),
               decode=DecodeConfig(fence_after_s=1.0, num_pages=4096))
