@@ -39,6 +39,9 @@ def add_parser(sub: argparse._SubParsersAction, int_at_least) -> None:
     c.add_argument("--max-states", type=int_at_least(1), default=2_000_000, help="stop after this many states")
     c.add_argument("--timeout", type=options.number_in(0, 1e9, low_open=True), default=600.0,
                    help="stop after this many seconds (default 600)")
+    c.add_argument("--workers", type=_workers, default=1, metavar="N|auto",
+                   help="processes expanding each breadth-first level (default 1; auto: one per CPU); the states "
+                        "and verdict are the same for any count")
     c.add_argument("--fence-unreachable", action="store_true",
                    help="decode's fence_unreachable_s policy on: it may fence a rank that holds its lease but that it "
                         "hears nothing from (a cut link), at any moment")
@@ -80,16 +83,17 @@ def run_pd(args: argparse.Namespace) -> int:
                          fence_unreachable=args.fence_unreachable, symmetry=not args.no_symmetry,
                          stale_events=not args.no_stale_events, por=not args.no_por,
                          **_kinds(args.fault_kinds))
-    result = run_check(bounds)
+    result = run_check(bounds, workers=args.workers)
     if args.shortest:
-        result = shortest(bounds, result)
+        result = shortest(bounds, result, workers=args.workers)
     if args.save and result["counterexample"]:
         save_counterexample(args.save, result)
     if args.json:
         print(json.dumps(result))
     else:
         for key in ("states", "depth", "transitions", "terminal_states", "pruned_by_channel_capacity",
-                    "por_reduced_states", "seconds", "states_per_s", "reductions", "complete", "stopped", "violations"):
+                    "por_reduced_states", "seconds", "states_per_s", "workers", "reductions", "complete", "stopped",
+                    "violations"):
             print(f"{key:<28} {result[key]}")
         if result["counterexample"]:
             which = "shortest" if result["shortest"] else "(maybe not shortest: --shortest or --no-por)"
@@ -98,6 +102,18 @@ def run_pd(args: argparse.Namespace) -> int:
     if unsafe:
         return 0 if result["violations"] else 3
     return 1 if result["violations"] else 0
+
+
+def _workers(text: str) -> int | str:
+    if text == "auto":
+        return text
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1 or 'auto', got {text!r}")
+    return value
 
 
 def _kinds(text: str | None) -> dict:

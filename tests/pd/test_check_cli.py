@@ -47,7 +47,8 @@ def test_stopped_early_says_so(capsys):
 
 @pytest.mark.parametrize("flag,value", [("--requests", "0"), ("--faults", "-1"), ("--prefill-ranks", "0"),
                                         ("--pages", "0"), ("--abort-sends", "0"), ("--channel-capacity", "0"),
-                                        ("--max-states", "0"), ("--timeout", "0"), ("--guard-off", "nope")])
+                                        ("--max-states", "0"), ("--timeout", "0"), ("--guard-off", "nope"),
+                                        ("--workers", "0"), ("--workers", "two")])
 def test_bad_input_names_the_flag(flag, value, capsys):
     assert main(["check", "pd", flag, value]) == 2
     last = capsys.readouterr().err.strip().splitlines()[-1]  # argparse's usage, then the one error line

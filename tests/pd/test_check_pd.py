@@ -142,6 +142,37 @@ def test_partial_order_reduction_keeps_every_terminal_class(bound):
     assert len(reduced["reductions"]) == 3 and len(plain["reductions"]) == 2
 
 
+_SAME_FOR_ANY_WORKERS = ("states", "depth", "transitions", "terminal_states", "pruned_by_channel_capacity",
+                         "por_reduced_states", "por_proviso_expansions", "frontier_sizes", "complete", "violations")
+
+
+def test_worker_processes_explore_exactly_the_serial_search():
+    """Two forked workers per level (each level split into spans of a few states, merged in order) reach the
+    same states, transitions, reduced states and proviso expansions, level by level, and the same classes:
+    the duplicate check and the cycle proviso read the level's snapshot the serial search reads."""
+    found = {}
+    for workers in (1, 2):
+        classes, terminal = set(), set()
+        result = run_check(CI_BOUND, classes, terminal, workers=workers)
+        found[workers] = ({k: result[k] for k in _SAME_FOR_ANY_WORKERS}, classes, terminal)
+        assert result["workers"] == workers
+    assert found[1] == found[2] and found[1][0]["complete"] and found[1][0]["por_proviso_expansions"] > 0
+
+
+def test_worker_processes_find_the_same_shortest_counterexample():
+    serial = run_check(teeth_bounds("legacy"))
+    parallel = run_check(teeth_bounds("legacy"), workers=2)
+    assert parallel["violations"] == serial["violations"] != []
+    assert len(parallel["counterexample"]["trace"]) == len(serial["counterexample"]["trace"])
+    assert replay(teeth_bounds("legacy"), parallel["counterexample"]["trace"])["violation"]
+
+
+@pytest.mark.parametrize("workers", [0, -1, True, 1.5, "many"])
+def test_bad_worker_counts_are_refused(workers):
+    with pytest.raises(ValueError, match="workers: expected an integer >= 1 or 'auto'"):
+        run_check(CI_BOUND, workers=workers)
+
+
 def test_a_wrong_independence_entry_fails_the_cross_check():
     """The reduction's teeth: declaring a rank's landing writes local (they read decode's page owner) and
     dropping the non-empty-queue condition prunes interleavings the protocol needs: terminal classes are lost."""

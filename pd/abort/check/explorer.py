@@ -13,14 +13,17 @@ the labels of a counterexample are rendered at the end, by replaying its actions
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import pickle
 import time
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
+from functools import partial
 
 from pd.abort.check.bounds import CheckBounds
 from pd.abort.check.hashing import Hasher
 from pd.abort.check.invariants import terminal_violations, violations
+from pd.abort.check.parallel import map_spans, resolve_workers
 from pd.abort.check.por import persistent_set
 from pd.abort.check.state import fingerprint
 from pd.abort.check.world import apply, build_world, enabled, label, owed
@@ -30,37 +33,56 @@ _T0 = [0.0]  # the running check's start (for states/s)
 _PICKLE = pickle.HIGHEST_PROTOCOL
 
 
-def run_check(bounds: CheckBounds, classes: set | None = None, terminal_classes: set | None = None) -> dict:
+def run_check(bounds: CheckBounds, classes: set | None = None, terminal_classes: set | None = None,
+              workers: int | str = 1) -> dict:
     """Explore every interleaving within ``bounds``; returns the JSON-ready result (``violations`` empty
     when none was found; else ``counterexample`` holds the trace, one label per step — a shortest one
     when ``shortest``). ``classes`` / ``terminal_classes``: if given, filled with the class (the fingerprint
     under symmetry and stale events) of every state / every terminal state explored — what the cross-checks
     compare between a reduced and an unreduced run (the partial-order reduction keeps every terminal class,
-    not every state)."""
+    not every state). ``workers``: processes expanding each level (an integer, or ``"auto"``: one per CPU);
+    the states, transitions and verdict are the same for any count (see :mod:`pd.abort.check.parallel`)."""
+    workers = resolve_workers(workers)
     start = _T0[0] = time.perf_counter()
     with guards_off(bounds.guards_off), _quiet():
-        result = _Search(bounds, classes, terminal_classes).run(start)
+        result = _Search(bounds, classes, terminal_classes, workers).run(start)
     result["seconds"] = round(time.perf_counter() - start, 2)
     return result
 
 
-def shortest(bounds: CheckBounds, result: dict) -> dict:
+def shortest(bounds: CheckBounds, result: dict, workers: int | str = 1) -> dict:
     """``result`` if its counterexample is a shortest one (or it has none); else the result of a re-run
     without the partial-order reduction, no deeper than that counterexample: breadth-first over every
     interleaving, so its first violation has a shortest trace."""
     if result["shortest"] or not result["counterexample"]:
         return result
     depth = len(result["counterexample"]["trace"])
-    return run_check(replace(bounds, por=False, max_depth=depth))
+    return run_check(replace(bounds, por=False, max_depth=depth), workers=workers)
+
+
+_STATS = ("transitions", "terminal_states", "pruned_by_channel_capacity", "por_reduced_states",
+          "por_proviso_expansions")
+
+
+@dataclass
+class _Span:
+    """What expanding a run of frontier states found: merged into the search in frontier order."""
+    children: list = field(default_factory=list)  # (fingerprint, parent's, action, pickled state), maybe known
+    fresh: set = field(default_factory=set)  # their fingerprints (a duplicate within the span is skipped)
+    stats: dict = field(default_factory=lambda: dict.fromkeys(_STATS, 0))
+    classes: set = field(default_factory=set)
+    terminal_classes: set = field(default_factory=set)
+    memo: dict = field(default_factory=dict)  # the hasher's new entries
+    found: tuple | None = None  # (depth offset, broken, trace end) of the first violation
 
 
 class _Search:
-    def __init__(self, bounds: CheckBounds, classes: set | None, terminal_classes: set | None) -> None:
-        self.bounds, self.classes, self.terminal_classes = bounds, classes, terminal_classes
+    def __init__(self, bounds: CheckBounds, classes: set | None, terminal_classes: set | None,
+                 workers: int = 1) -> None:
+        self.bounds, self.classes, self.terminal_classes, self.workers = bounds, classes, terminal_classes, workers
         self.hashed = Hasher(bounds.symmetry, bounds.stale_events)
         self.parents: dict[int, tuple[int | None, tuple | None]] = {}  # fingerprint -> (parent's, action)
-        self.stats = {"transitions": 0, "terminal_states": 0, "pruned_by_channel_capacity": 0,
-                      "por_reduced_states": 0, "por_proviso_expansions": 0, "frontier_sizes": []}
+        self.stats = {**dict.fromkeys(_STATS, 0), "frontier_sizes": []}
         self.next_frontier: list = []
         self.next_fps: set[int] = set()  # fingerprints one level deeper than the states being expanded
 
@@ -68,14 +90,16 @@ class _Search:
         b, root = self.bounds, build_world(self.bounds)
         root_fp = self.hashed(root)
         self.parents[root_fp] = (None, None)
-        self._note(root, self.classes)
+        if self.classes is not None:
+            self.classes.add(_class(root))
         frontier = [(root_fp, pickle.dumps(root, _PICKLE))]
         depth, stopped = 0, None
         while frontier and stopped is None:
             self.stats["frontier_sizes"].append(len(frontier))
             self.next_frontier, self.next_fps = [], set()
-            for fp, blob in frontier:
-                found = self._expand(fp, blob, depth)
+            job = partial(self._expand_span, frontier, depth)
+            for span in map_spans(job, len(frontier), self.workers):
+                found = self._merge(span)
                 if found is not None:
                     return self._result(depth + found[0], None, *found[1:])
                 if len(self.parents) >= b.max_states:
@@ -90,60 +114,85 @@ class _Search:
             depth += bool(frontier)
         return self._result(depth, stopped, [], None)
 
-    def _expand(self, fp: int, blob: bytes, depth: int):
+    def _merge(self, span: _Span):
+        """Add a span's new children (in order: the first parent found is kept) and its counts; returns its
+        violation, if it found one."""
+        for child_fp, fp, action, blob in span.children:
+            if child_fp not in self.parents:
+                self.parents[child_fp] = (fp, action)
+                self.next_frontier.append((child_fp, blob))
+                self.next_fps.add(child_fp)
+        for key in _STATS:
+            self.stats[key] += span.stats[key]
+        for mine, theirs in ((self.classes, span.classes), (self.terminal_classes, span.terminal_classes)):
+            if mine is not None:
+                mine |= theirs
+        self.hashed.memo.update(span.memo)
+        return span.found
+
+    def _expand_span(self, frontier: list, depth: int, start: int, end: int) -> _Span:
+        """Expand ``frontier[start:end]``, reading the search (what is known, what is one level deeper) but
+        not changing it: the same here or in a worker process."""
+        span, memo_before = _Span(), len(self.hashed.memo)
+        for fp, blob in frontier[start:end]:
+            span.found = self._expand(fp, blob, span)
+            if span.found is not None:
+                break
+        if self.workers > 1:  # in a worker: hand its new memo entries back (dicts keep insertion order)
+            span.memo = dict(itertools.islice(self.hashed.memo.items(), memo_before, None))
+        return span
+
+    def _expand(self, fp: int, blob: bytes, span: _Span):
         """Expand one state; a violation found is returned as (depth offset, broken, trace end)."""
         world = pickle.loads(blob)
         actions = enabled(world)
         if not owed(actions):
-            self.stats["terminal_states"] += 1
-            self._note(world, self.terminal_classes)
+            span.stats["terminal_states"] += 1
+            if self.terminal_classes is not None:
+                span.terminal_classes.add(_class(world))
             broken = terminal_violations(world)
             if broken:
                 return 0, broken, (fp, None)
         ample = persistent_set(world, actions) if self.bounds.por else None
         if ample is not None:
-            outcome = self._children(fp, blob, None, ample, depth, proviso=True)
+            outcome = self._children(fp, blob, None, ample, span, proviso=True)
             if not (isinstance(outcome, tuple) and outcome[0] == "expand"):
-                self.stats["por_reduced_states"] += 1
+                span.stats["por_reduced_states"] += 1
                 return outcome
-            self.stats["por_proviso_expansions"] += 1
+            span.stats["por_proviso_expansions"] += 1
             done = ample[:outcome[1] + 1]  # applied already (their new children are in)
             actions = [a for a in actions if a not in done]
-        return self._children(fp, blob, world, actions, depth, proviso=False)
+        return self._children(fp, blob, world, actions, span, proviso=False)
 
-    def _children(self, fp, blob, world, actions, depth, proviso: bool):
+    def _children(self, fp, blob, world, actions, span: _Span, proviso: bool):
         """Apply each of ``actions`` to a copy (the last to ``world`` itself, if given). With ``proviso``:
         return ("expand", i) as soon as the i-th child is pruned or an older state — one no deeper than
         this one: the breadth-first cycle proviso (see pd.abort.check.por)."""
         for i, action in enumerate(actions):
             child = world if world is not None and i == len(actions) - 1 else pickle.loads(blob)
-            self.stats["transitions"] += 1
+            span.stats["transitions"] += 1
             try:
                 apply(child, action)
             except Exception as exc:  # the implementation itself failed: a bug the trace reproduces
                 return 1, [f"exception: {exc!r}"], (fp, action)
             if _over_capacity(child, self.bounds.channel_capacity):
-                self.stats["pruned_by_channel_capacity"] += 1
+                span.stats["pruned_by_channel_capacity"] += 1
                 if proviso:
                     return "expand", i
                 continue
             child_fp = self.hashed(child)
-            if child_fp in self.parents:
-                if proviso and child_fp not in self.next_fps:  # an edge back to depth <= this one's
+            if child_fp in self.parents or child_fp in span.fresh:
+                if proviso and child_fp in self.parents and child_fp not in self.next_fps:  # an edge back up
                     return "expand", i
                 continue
-            self.parents[child_fp] = (fp, action)
-            self._note(child, self.classes)
+            span.fresh.add(child_fp)
+            if self.classes is not None:
+                span.classes.add(_class(child))
             broken = violations(child)
+            span.children.append((child_fp, fp, action, None if broken else pickle.dumps(child, _PICKLE)))
             if broken:
                 return 1, broken, (child_fp, None)
-            self.next_frontier.append((child_fp, pickle.dumps(child, _PICKLE)))
-            self.next_fps.add(child_fp)
         return None
-
-    def _note(self, world, classes: set | None) -> None:
-        if classes is not None:
-            classes.add(fingerprint(world, symmetry=True, stale_events=True))
 
     def _result(self, depth, stopped, broken, end) -> dict:
         b, counterexample = self.bounds, None
@@ -152,7 +201,7 @@ class _Search:
         return {"bounds": b.to_dict(), "states": len(self.parents), "depth": depth, **self.stats,
                 "complete": stopped is None and not broken, "stopped": stopped,
                 "violations": [x.split(":")[0] for x in broken], "counterexample": counterexample,
-                "shortest": not self.stats["por_reduced_states"],
+                "shortest": not self.stats["por_reduced_states"], "workers": self.workers,
                 "states_per_s": round(len(self.parents) / max(time.perf_counter() - _T0[0], 1e-9), 1),
                 "reductions": ["symmetry: prefill ranks x request ids"] * b.symmetry
                               + ["stale events neither fired nor hashed"] * b.stale_events
@@ -167,6 +216,10 @@ class _Search:
             fp, action = self.parents[fp]
             steps.append(action)
         return steps[::-1]
+
+
+def _class(world) -> int:
+    return fingerprint(world, symmetry=True, stale_events=True)
 
 
 def _labels(bounds: CheckBounds, actions: list[tuple]) -> list[str]:
