@@ -8,6 +8,8 @@ more (no pending event, no message in flight) is terminal and must also pass the
 Breadth-first, so without the partial-order reduction the first violation found has a shortest trace (with
 it, ``shortest`` says whether that still holds). A transition is stored as its action, not its label:
 the labels of a counterexample are rendered at the end, by replaying its actions from the initial state.
+A level is expanded in spans of frontier states, each reading the search as the level began and merged
+in order — here, or in worker processes (:mod:`pd.abort.check.parallel`) with the same outcome.
 """
 
 from __future__ import annotations
@@ -97,7 +99,7 @@ class _Search:
         while frontier and stopped is None:
             self.stats["frontier_sizes"].append(len(frontier))
             self.next_frontier, self.next_fps = [], set()
-            job = partial(self._expand_span, frontier, depth)
+            job = partial(self._expand_span, frontier)
             for span in map_spans(job, len(frontier), self.workers):
                 found = self._merge(span)
                 if found is not None:
@@ -130,7 +132,7 @@ class _Search:
         self.hashed.memo.update(span.memo)
         return span.found
 
-    def _expand_span(self, frontier: list, depth: int, start: int, end: int) -> _Span:
+    def _expand_span(self, frontier: list, start: int, end: int) -> _Span:
         """Expand ``frontier[start:end]``, reading the search (what is known, what is one level deeper) but
         not changing it: the same here or in a worker process."""
         span, memo_before = _Span(), len(self.hashed.memo)
