@@ -87,7 +87,10 @@ def test_a_frozen_rank_past_its_lease_is_fenced_and_exits_revoked_when_it_runs_a
     assert report["registry"]["expiries"] >= 1 and report["registry"]["revoked_sent"] >= 1
     assert report["fences"] >= 1 and report["unreachable_fences"] == 0 and report["memory"]["deregistrations"] >= 1
     assert report["released_by_fence"] > 0 and report["final_outcomes"] == 200
-    assert report["engine"]["errors"] >= 1  # the frozen rank's writes after the fence: failed, not landed
+    # Whether the frozen rank posts at all after the fence (then its batches fail: engine errors) depends on
+    # whether one of its forwards finishes before its heartbeat is answered revoked: timing, not the protocol
+    # (a clean-clone CI run met 0). That such writes exist and land without the fence is the test below;
+    # here failures() holds them to 0 late writes and 0 overwrites either way.
 
 
 def test_with_the_fence_kept_registered_the_frozen_ranks_writes_land_on_released_pages(tmp_path):
