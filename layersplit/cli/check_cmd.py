@@ -105,15 +105,12 @@ def run_pd(args: argparse.Namespace) -> int:
 
 
 def _workers(text: str) -> int | str:
-    if text == "auto":
-        return text
+    from pd.abort.check.parallel import resolve_workers
+
     try:
-        value = int(text)
+        return resolve_workers(text if text == "auto" else int(text))
     except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1 or 'auto', got {text!r}")
-    return value
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1 or 'auto', got {text!r}") from None
 
 
 def _kinds(text: str | None) -> dict:
