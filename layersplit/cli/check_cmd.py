@@ -1,5 +1,6 @@
 """``layersplit check pd``: exhaustive model checking of the PD abort protocol at small bounds (``pd.abort.check``):
-every interleaving of events, message deliveries, faults and cancels, over the protocol code the stress runs.
+every interleaving of events, message deliveries, faults and cancels, over the protocol code the stress runs;
+with ``--simulate WALKS``, random walks over the same states instead (bounds too large to exhaust).
 
 Exit status: 0 no violation (and the bound explored completely, or stopped by --max-states/--timeout — the
 output says which), 1 a violation (the counterexample is printed — a shortest one unless the partial-order
@@ -60,6 +61,16 @@ def add_parser(sub: argparse._SubParsersAction, int_at_least) -> None:
     c.add_argument("--shortest", action="store_true",
                    help="if the counterexample found under the partial-order reduction may not be a shortest one, "
                         "re-run without it to that depth and report the shortest")
+    c.add_argument("--simulate", type=int_at_least(1), default=None, metavar="WALKS",
+                   help="instead of exploring every interleaving, run this many random walks (each state they reach "
+                        "checked; not exhaustive): for bounds too large to explore")
+    c.add_argument("--seed", type=options.seed, default=None, help="with --simulate: walk i draws from seed:i (default 0)")
+    c.add_argument("--max-steps", type=int_at_least(1), default=None,
+                   help="with --simulate: a walk stops after this many steps (default 500)")
+    c.add_argument("--fault-rate", type=options.number_in(0, 1), default=None,
+                   help="with --simulate: the chance per step of a fault or cancel while one is possible (default 0.1)")
+    c.add_argument("--no-minimize", action="store_true",
+                   help="with --simulate: report a violating walk's trace as it was, not shortened")
     c.add_argument("--save", default=None, metavar="FILE", help="write the counterexample (if any) as JSON")
     c.add_argument("--replay", type=options.readable_file, default=None, metavar="FILE",
                    help="replay a saved counterexample step by step instead of exploring (its bounds are used)")
@@ -73,6 +84,7 @@ def run_pd(args: argparse.Namespace) -> int:
 
     if args.replay:
         return _replay(args, load_counterexample, replay, format_trace)
+    plan = _walk_plan(args)  # before any work: a walk flag without --simulate is refused
     folder = Path(args.save).resolve().parent if args.save else None
     if args.save and (not folder.is_dir() or not os.access(folder, os.W_OK)):
         raise ValueError(f"--save: expected a file in a writable folder, got {args.save!r}")  # before any work
@@ -83,25 +95,54 @@ def run_pd(args: argparse.Namespace) -> int:
                          fence_unreachable=args.fence_unreachable, symmetry=not args.no_symmetry,
                          stale_events=not args.no_stale_events, por=not args.no_por,
                          **_kinds(args.fault_kinds))
-    result = run_check(bounds, workers=args.workers)
-    if args.shortest:
-        result = shortest(bounds, result, workers=args.workers)
+    if plan is not None:
+        from pd.abort.check.simulate import shortest_walk, simulate
+
+        result = simulate(bounds, plan, workers=args.workers)
+        if args.shortest:
+            result = shortest_walk(bounds, result, workers=args.workers)
+    else:
+        result = run_check(bounds, workers=args.workers)
+        if args.shortest:
+            result = shortest(bounds, result, workers=args.workers)
     if args.save and result["counterexample"]:
         save_counterexample(args.save, result)
     if args.json:
         print(json.dumps(result))
     else:
-        for key in ("states", "depth", "transitions", "terminal_states", "pruned_by_channel_capacity",
-                    "por_reduced_states", "seconds", "states_per_s", "workers", "reductions", "complete", "stopped",
-                    "violations"):
+        keys = _SIMULATION_KEYS if plan is not None else _SEARCH_KEYS
+        for key in keys:
             print(f"{key:<28} {result[key]}")
         if result["counterexample"]:
-            which = "shortest" if result["shortest"] else "(maybe not shortest: --shortest or --no-por)"
+            maybe = "(one-minimal, maybe not shortest: --shortest)" if plan is not None \
+                else "(maybe not shortest: --shortest or --no-por)"
+            which = "shortest" if result["shortest"] else maybe
             print(f"{which} counterexample:\n" + format_trace(result["counterexample"]))
     unsafe = args.legacy_immediate_release or args.guard_off
     if unsafe:
         return 0 if result["violations"] else 3
     return 1 if result["violations"] else 0
+
+
+_SEARCH_KEYS = ("states", "depth", "transitions", "terminal_states", "pruned_by_channel_capacity", "por_reduced_states",
+                "seconds", "states_per_s", "workers", "reductions", "complete", "stopped", "violations")
+_SIMULATION_KEYS = ("walks", "steps", "terminal_walks", "truncated_walks", "stuck_walks", "faults_spent",
+                    "pruned_by_channel_capacity", "violating_walk", "raw_trace_length", "seconds", "steps_per_s",
+                    "workers", "complete", "stopped", "violations")
+_WALK_FLAGS = (("seed", "--seed"), ("max_steps", "--max-steps"), ("fault_rate", "--fault-rate"))
+
+
+def _walk_plan(args: argparse.Namespace):
+    """The --simulate plan, or None; a walk flag given without --simulate is refused (it would do nothing)."""
+    given = [flag for name, flag in _WALK_FLAGS if getattr(args, name) is not None] + ["--no-minimize"] * args.no_minimize
+    if args.simulate is None:
+        if given:
+            raise ValueError(f"{given[0]}: expected it only with --simulate WALKS, got it without")
+        return None
+    from pd.abort.check.simulate import WalkPlan
+
+    chosen = {name: getattr(args, name) for name, _ in _WALK_FLAGS if getattr(args, name) is not None}
+    return WalkPlan(walks=args.simulate, minimize=not args.no_minimize, **chosen)
 
 
 def _workers(text: str) -> int | str:

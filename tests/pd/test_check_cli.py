@@ -48,7 +48,8 @@ def test_stopped_early_says_so(capsys):
 @pytest.mark.parametrize("flag,value", [("--requests", "0"), ("--faults", "-1"), ("--prefill-ranks", "0"),
                                         ("--pages", "0"), ("--abort-sends", "0"), ("--channel-capacity", "0"),
                                         ("--max-states", "0"), ("--timeout", "0"), ("--guard-off", "nope"),
-                                        ("--workers", "0"), ("--workers", "two")])
+                                        ("--workers", "0"), ("--workers", "two"), ("--simulate", "0"),
+                                        ("--max-steps", "0"), ("--fault-rate", "1.5"), ("--seed", "-1")])
 def test_bad_input_names_the_flag(flag, value, capsys):
     assert main(["check", "pd", flag, value]) == 2
     last = capsys.readouterr().err.strip().splitlines()[-1]  # argparse's usage, then the one error line
@@ -78,3 +79,26 @@ def test_shortest_reruns_without_the_partial_order_reduction(capsys):
     short = json.loads(capsys.readouterr().out)
     assert short["shortest"] and short["bounds"]["por"] is False and short["violations"]
     assert len(short["counterexample"]["trace"]) <= len(reduced["counterexample"]["trace"])
+
+
+def test_simulate_runs_random_walks_and_says_they_are_not_exhaustive(capsys):
+    assert main(SMALL + ["--simulate", "20", "--seed", "4", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["mode"] == "simulation" and result["walks"] == 20 and result["plan"]["seed"] == 4
+    assert result["complete"] is False and result["violations"] == [] and "not exhaustive" in result["note"]
+
+
+def test_a_simulated_counterexample_is_one_minimal_saved_and_replays(tmp_path, capsys):
+    ce = tmp_path / "walk.json"
+    assert main(["check", "pd", "--legacy-immediate-release", "--simulate", "50", "--save", str(ce)]) == 0
+    out = capsys.readouterr().out
+    assert "(one-minimal, maybe not shortest: --shortest) counterexample" in out and "VIOLATION freed_while_writing" in out
+    assert main(["check", "pd", "--replay", str(ce), "--json"]) == 1
+    assert json.loads(capsys.readouterr().out)["diverged"] is None
+
+
+@pytest.mark.parametrize("flag", [["--seed", "3"], ["--max-steps", "9"], ["--fault-rate", "0.5"], ["--no-minimize"]],
+                         ids=lambda f: f[0])
+def test_a_walk_flag_without_simulate_is_refused(flag, capsys):
+    assert main(SMALL + flag) == 2
+    assert f"{flag[0]}: expected it only with --simulate WALKS, got it without" in capsys.readouterr().err
