@@ -22,9 +22,10 @@ def add_parser(sub: argparse._SubParsersAction, int_at_least) -> None:
     from pd.abort.check.bounds import FAULT_KINDS
     from pd.abort.guards import GUARDS
 
-    p = sub.add_parser("check", help="exhaustive protocol checks at small bounds")
+    p = sub.add_parser("check", help="protocol checks: every interleaving at small bounds, or random walks")
     which = p.add_subparsers(dest="target", required=True)
-    c = which.add_parser("pd", help="every interleaving of the PD abort protocol (explicit-state, breadth-first)")
+    c = which.add_parser("pd", help="every interleaving of the PD abort protocol (explicit-state, breadth-first), or "
+                                    "random walks over it (--simulate)")
     c.add_argument("--prefill-ranks", type=int_at_least(1), default=2, help="LayerSplit prefill CP ranks (default 2)")
     c.add_argument("--requests", type=int_at_least(1), default=2, help="request ids submitted (default 2)")
     c.add_argument("--faults", type=int_at_least(0), default=2,
@@ -60,7 +61,8 @@ def add_parser(sub: argparse._SubParsersAction, int_at_least) -> None:
                    help="explore without the partial-order reduction (its counterexamples are then shortest)")
     c.add_argument("--shortest", action="store_true",
                    help="if the counterexample found under the partial-order reduction may not be a shortest one, "
-                        "re-run without it to that depth and report the shortest")
+                        "re-run without it to that depth and report the shortest (with --simulate: the walk's "
+                        "shortened trace's depth; the walk's trace stays if that search stops first)")
     c.add_argument("--simulate", type=int_at_least(1), default=None, metavar="WALKS",
                    help="instead of exploring every interleaving, run this many random walks (each state they reach "
                         "checked; not exhaustive): for bounds too large to explore")

@@ -9,7 +9,8 @@ from dataclasses import replace
 import pytest
 
 from pd.abort.check import CheckBounds, replay, run_check
-from pd.abort.check.simulate import WalkPlan, _still_breaks, minimize, shortest_walk, simulate
+from pd.abort.check.minimize import minimize, still_breaks
+from pd.abort.check.simulate import WalkPlan, shortest_walk, simulate
 from pd.abort.guards import GUARDS
 
 TARGET = CheckBounds(timeout_s=120.0)  # the defaults are the target bound: 2 ranks, 2 requests, 2 faults
@@ -87,9 +88,9 @@ def test_minimize_leaves_a_trace_from_which_no_single_step_can_be_removed():
     raw = simulate(bounds, WalkPlan(walks=50, seed=0, minimize=False))["counterexample"]
     trace, done = minimize(bounds, raw["trace"], raw["violation"])
     assert done and len(trace) < len(raw["trace"])
-    assert _still_breaks(bounds, trace, "freed_while_writing") == trace
+    assert still_breaks(bounds, trace, "freed_while_writing") == trace
     for i in range(len(trace)):  # one-minimal: every single removal diverges or no longer breaks
-        assert _still_breaks(bounds, trace[:i] + trace[i + 1:], "freed_while_writing") is None, i
+        assert still_breaks(bounds, trace[:i] + trace[i + 1:], "freed_while_writing") is None, i
 
 
 def test_shortest_walk_swaps_in_the_breadth_first_shortest_counterexample():
@@ -116,3 +117,17 @@ def test_a_bad_plan_is_refused_naming_the_field(field, value):
     kwargs = {"walks": 1, field: value}
     with pytest.raises(ValueError, match=f"^{field}: expected"):
         WalkPlan(**kwargs)
+
+
+def test_the_walks_reach_only_states_the_exhaustive_search_has_and_most_of_its_terminal_classes():
+    """The cross-check of the walks' step rule against the breadth-first search: at a bound both can do
+    (one fault), every state class a walk reaches is one the exhaustive search (no partial-order reduction)
+    found, and 1,000 walks reach at least 90% of its terminal classes (all 50, measured; README)."""
+    bounds = CheckBounds(prefill_ranks=2, requests=1, faults=1, retries=0, cancels=0, polls=0, channel_capacity=1,
+                         fault_kinds=("drop", "decode_restart"))
+    every, every_terminal = set(), set()
+    assert run_check(replace(bounds, por=False), classes=every, terminal_classes=every_terminal)["complete"]
+    walked, walked_terminal = set(), set()
+    result = simulate(bounds, WalkPlan(walks=1_000, seed=0), classes=walked, terminal_classes=walked_terminal)
+    assert result["violations"] == [] and walked <= every and walked_terminal <= every_terminal
+    assert len(walked_terminal) >= 0.9 * len(every_terminal) and len(walked) > len(every) / 3

@@ -14,21 +14,21 @@ number of worker processes (unless ``timeout_s`` cuts the run short).
 A walk that finds nothing proves nothing about the states it did not visit: the result is never
 ``complete``. A violation's trace is then shortened (:func:`minimize`): steps are removed, in chunks
 halving down to one, while the replay of what is left still ends in a violation of the same kind — a
-trace from which no single step can be removed, not necessarily a shortest one (``shortest: false``;
-``--shortest`` re-runs the breadth-first search to that depth).
+trace from which no single step can be removed (:mod:`pd.abort.check.minimize`), not necessarily a
+shortest one (``shortest: false``; ``--shortest`` re-runs the breadth-first search to that depth).
 """
 
 from __future__ import annotations
 
-import contextlib
 import pickle
 import random
 import time
 from dataclasses import dataclass, field
 
 from pd.abort.check.bounds import CheckBounds
-from pd.abort.check.explorer import _over_capacity, _quiet, replay, shortest
+from pd.abort.check.explorer import _class, _over_capacity, _quiet, replay, shortest
 from pd.abort.check.invariants import terminal_violations, violations
+from pd.abort.check.minimize import minimize
 from pd.abort.check.parallel import map_spans, resolve_workers
 from pd.abort.check.world import OWED, apply, build_world, enabled, label
 from pd.abort.guards import guards_off
@@ -70,18 +70,28 @@ class _Span:
     faults_spent: dict = field(default_factory=dict)  # faults a walk spent -> walks
     found: tuple | None = None  # (walk index, violations, labels)
     stopped: bool = False
+    classes: set | None = None  # the classes of the states / the terminal states the walks reached, if asked
+    terminal_classes: set | None = None
 
 
-def simulate(bounds: CheckBounds, plan: WalkPlan, workers: int | str = 1) -> dict:
+def simulate(bounds: CheckBounds, plan: WalkPlan, workers: int | str = 1, classes: set | None = None,
+             terminal_classes: set | None = None) -> dict:
     """Run ``plan.walks`` random walks within ``bounds`` (stopping at the first violation, or after
     ``bounds.timeout_s``); the JSON-ready result, shaped like :func:`~pd.abort.check.explorer.run_check`'s
-    (``counterexample`` holds the shortened trace, ``raw_trace_length`` the walk's own)."""
+    (``counterexample`` holds the shortened trace, ``raw_trace_length`` the walk's own). ``classes`` /
+    ``terminal_classes``: if given, filled with the class of every state / every state where nothing is
+    owed that a walk reached — as ``run_check`` fills them, so a test can hold the walks' states inside the
+    exhaustive search's and measure how much of it they covered."""
     workers = resolve_workers(workers)
+    collect = (classes is not None, terminal_classes is not None)
     start = time.perf_counter()
     deadline = start + bounds.timeout_s
     total, faults_spent, found, stopped = _Span(), {}, None, None
     with guards_off(bounds.guards_off), _quiet():
-        for span in map_spans(lambda a, b: _walks(bounds, plan, a, b, deadline), plan.walks, workers):
+        for span in map_spans(lambda a, b: _walks(bounds, plan, a, b, deadline, collect), plan.walks, workers):
+            for mine, theirs in ((classes, span.classes), (terminal_classes, span.terminal_classes)):
+                if mine is not None:
+                    mine |= theirs
             for key in _COUNTS:
                 total.counts[key] += span.counts[key]
             for spent, n in span.faults_spent.items():
@@ -127,15 +137,16 @@ def shortest_walk(bounds: CheckBounds, result: dict, workers: int | str = 1) -> 
             "violations": search["violations"]}
 
 
-def _walks(bounds: CheckBounds, plan: WalkPlan, first: int, end: int, deadline: float) -> _Span:
+def _walks(bounds: CheckBounds, plan: WalkPlan, first: int, end: int, deadline: float,
+           collect: tuple[bool, bool] = (False, False)) -> _Span:
     """Walks ``first .. end - 1``, in order, until one finds a violation or the deadline passes."""
-    span = _Span()
+    span = _Span(classes=set() if collect[0] else None, terminal_classes=set() if collect[1] else None)
     for index in range(first, end):
         if time.perf_counter() > deadline:
             span.stopped = True
             break
         span.counts["walks"] += 1
-        outcome, spent, broken, labels = _walk(bounds, plan, index, span.counts)
+        outcome, spent, broken, labels = _walk(bounds, plan, index, span)
         span.counts[outcome] += 1
         span.faults_spent[spent] = span.faults_spent.get(spent, 0) + 1
         if broken:
@@ -144,12 +155,16 @@ def _walks(bounds: CheckBounds, plan: WalkPlan, first: int, end: int, deadline: 
     return span
 
 
-def _walk(bounds: CheckBounds, plan: WalkPlan, index: int, counts: dict) -> tuple[str, int, list, list]:
+def _walk(bounds: CheckBounds, plan: WalkPlan, index: int, span: _Span) -> tuple[str, int, list, list]:
     """One walk: (how it ended, faults spent, the violations found, the labels of its steps)."""
-    rng, world, labels = random.Random(f"{plan.seed}:{index}"), build_world(bounds), []
+    rng, world, labels, counts = random.Random(f"{plan.seed}:{index}"), build_world(bounds), [], span.counts
     for _ in range(plan.max_steps):
         actions = enabled(world)
         owed = [a for a in actions if a[0] in OWED]
+        if span.classes is not None:
+            span.classes.add(_class(world))
+        if not owed and span.terminal_classes is not None:
+            span.terminal_classes.add(_class(world))
         if not owed:
             broken = terminal_violations(world)
             if broken:
@@ -189,34 +204,3 @@ def _step(world, groups: list[list[tuple]], rng: random.Random, counts: dict):
             counts["pruned_by_channel_capacity"] += 1
             world = pickle.loads(snapshot)
     return world, None
-
-
-def minimize(bounds: CheckBounds, trace: list[str], violation: list[str],
-             deadline: float | None = None) -> tuple[list[str], bool]:
-    """``trace`` with steps removed — chunks of half its length, then halving to single steps — while its
-    replay still ends in a violation of the kind of ``violation[0]`` (cut at the step where it does), and
-    whether it got to the end: no single step can be removed any more. Stops early, with what it has,
-    after ``deadline`` (a ``time.perf_counter()`` value)."""
-    kind = violation[0].split(":")[0]
-    chunk = max(1, len(trace) // 2)
-    while True:
-        i, removed = 0, False
-        while i < len(trace):
-            if deadline is not None and time.perf_counter() > deadline:
-                return trace, False
-            shorter = _still_breaks(bounds, trace[:i] + trace[i + chunk:], kind)
-            if shorter is None:
-                i += chunk
-            else:
-                trace, removed = shorter, True
-        if chunk == 1 and not removed:
-            return trace, True
-        chunk = max(1, chunk // 2) if not removed else chunk
-
-
-def _still_breaks(bounds: CheckBounds, trace: list[str], kind: str) -> list[str] | None:
-    with contextlib.suppress(Exception):  # a replay that cannot even start its steps is no candidate
-        outcome = replay(bounds, trace)
-        if outcome["diverged"] is None and any(v.split(":")[0] == kind for v in outcome["violation"]):
-            return trace[:outcome["steps"]]
-    return None
