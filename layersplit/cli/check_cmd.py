@@ -4,7 +4,8 @@ with ``--simulate WALKS``, random walks over the same states instead (bounds too
 
 Exit status: 0 no violation (and the bound explored completely, or stopped by --max-states/--timeout — the
 output says which), 1 a violation (the counterexample is printed — a shortest one unless the partial-order
-reduction was in force, see ``--shortest``; ``--save`` writes it for ``--replay``), 3 with an UNSAFE switch (``--legacy-immediate-release`` / ``--guard-off``) when no
+reduction was in force, see ``--shortest``, or a walk's one-minimal trace with ``--simulate``; ``--save`` writes
+it for ``--replay``), 3 with an UNSAFE switch (``--legacy-immediate-release`` / ``--guard-off``) when no
 counterexample was found within the bounds.
 """
 
@@ -65,7 +66,8 @@ def add_parser(sub: argparse._SubParsersAction, int_at_least) -> None:
                         "shortened trace's depth; the walk's trace stays if that search stops first)")
     c.add_argument("--simulate", type=int_at_least(1), default=None, metavar="WALKS",
                    help="instead of exploring every interleaving, run this many random walks (each state they reach "
-                        "checked; not exhaustive): for bounds too large to explore")
+                        "checked; not exhaustive): for bounds too large to explore (--max-states and the "
+                        "symmetry and partial-order reductions do not apply to walks)")
     c.add_argument("--seed", type=options.seed, default=None, help="with --simulate: walk i draws from seed:i (default 0)")
     c.add_argument("--max-steps", type=int_at_least(1), default=None,
                    help="with --simulate: a walk stops after this many steps (default 500)")
