@@ -254,25 +254,26 @@ def _quiet():
         logger.setLevel(level)
 
 
-def replay(bounds: CheckBounds, trace: list[str]) -> dict:
+def replay(bounds: CheckBounds, trace: list[str], match=None) -> dict:
     """Re-run ``trace`` (labels, as a counterexample lists them) step by step from the initial state.
-    Returns ``{"steps": n applied, "violation": [...] or [], "diverged": label not enabled, or None}``."""
+    Returns ``{"steps": n applied, "violation": [...] or [], "diverged": label not enabled, or None,
+    "applied": the labels of the actions applied}``. ``match(label, i)``: is an enabled action with this
+    label the trace's step i (the first that is, is taken)? By default, its label equals ``trace[i]``."""
+    match = match or (lambda text, i: text == trace[i])
+    applied = []
     with guards_off(bounds.guards_off), _quiet():
         world = build_world(bounds)
         for i, text in enumerate(trace):
-            actions = enabled(world)
-            match = next((a for a in actions if label(world, a) == text), None)
-            if match is None:
-                return {"steps": i, "violation": [], "diverged": text}
+            found = next(((a, t) for a in enabled(world) if match(t := label(world, a), i)), None)
+            if found is None:
+                return {"steps": i, "violation": [], "diverged": text, "applied": applied}
+            applied.append(found[1])
             try:
-                apply(world, match)
+                apply(world, found[0])
             except Exception as exc:
-                return {"steps": i + 1, "violation": [f"exception: {exc!r}"], "diverged": None}
+                return {"steps": i + 1, "violation": [f"exception: {exc!r}"], "diverged": None, "applied": applied}
             broken = violations(world)
             if broken:
-                return {"steps": i + 1, "violation": broken, "diverged": None}
+                return {"steps": i + 1, "violation": broken, "diverged": None, "applied": applied}
         broken = [] if owed(enabled(world)) else terminal_violations(world)
-        return {"steps": len(trace), "violation": broken, "diverged": None}
-
-
-
+        return {"steps": len(trace), "violation": broken, "diverged": None, "applied": applied}

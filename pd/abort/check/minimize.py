@@ -18,10 +18,7 @@ import re
 import time
 
 from pd.abort.check.bounds import CheckBounds
-from pd.abort.check.explorer import _quiet
-from pd.abort.check.invariants import terminal_violations, violations
-from pd.abort.check.world import apply, build_world, enabled, label, owed
-from pd.abort.guards import guards_off
+from pd.abort.check.explorer import replay
 
 # "room 3", "epoch 2", "gen 1", "batch 0", "decode page 1", "pages [0, 1]", "from page 0" (a source page of
 # prefill's: its own numbering); rids, ranks, layers, incarnations and decode lives keep their numbers. A floor
@@ -59,11 +56,27 @@ def minimize(bounds: CheckBounds, trace: list[str], violation: list[str],
 def still_breaks(bounds: CheckBounds, trace: list[str], kind: str) -> list[str] | None:
     """The labels a replay of ``trace`` (matched up to renumbering) really applied, up to the violation of
     kind ``kind`` it ends in; None if a step finds no match or the replay breaks otherwise or not at all."""
-    names: dict = {}
-    wanted = [canonical(text, names) for text in trace]
-    with guards_off(bounds.guards_off), _quiet():
-        applied, broken = _replay(bounds, wanted)
-    return applied if any(v.split(":")[0] == kind for v in broken) else None
+    outcome = replay(bounds, trace, match=_Renumbered(trace))
+    if outcome["diverged"] is None and any(v.split(":")[0] == kind for v in outcome["violation"]):
+        return outcome["applied"]
+    return None
+
+
+class _Renumbered:
+    """A replay's step matcher: an enabled action's label matches step i when both read the same once
+    renamed by first appearance — the trace's names over the trace, the run's over the steps it took."""
+
+    def __init__(self, trace: list[str]) -> None:
+        names: dict = {}
+        self.wanted = [canonical(text, names) for text in trace]
+        self.names: dict = {}
+
+    def __call__(self, text: str, i: int) -> bool:
+        trial = dict(self.names)
+        if canonical(text, trial) != self.wanted[i]:
+            return False
+        self.names = trial  # the replay takes the first match: its names are the run's from now on
+        return True
 
 
 def canonical(text: str, names: dict) -> str:
@@ -80,26 +93,3 @@ def canonical(text: str, names: dict) -> str:
             return f"{kind} [{', '.join(name(kind, n) for n in _DIGITS.findall(value))}]"
         return f"{kind} {name(kind, value)}"
     return _NUMBERED.sub(rename, _FLOOR.sub("floor *", text))
-
-
-def _replay(bounds: CheckBounds, wanted: list[str]) -> tuple[list[str], list[str]]:
-    """Apply, for each of ``wanted`` (canonical labels), the first enabled action whose label matches it;
-    (the labels applied, the violations at the end — [] if a step had no match)."""
-    world, names, applied = build_world(bounds), {}, []
-    for want in wanted:
-        for action in enabled(world):
-            text, trial = label(world, action), dict(names)
-            if canonical(text, trial) == want:
-                break
-        else:
-            return applied, []
-        names = trial
-        applied.append(text)
-        try:
-            apply(world, action)
-        except Exception as exc:  # the implementation failed: the violation an exception-kind trace shows
-            return applied, [f"exception: {exc!r}"]
-        broken = violations(world)
-        if broken:
-            return applied, broken
-    return applied, [] if owed(enabled(world)) else terminal_violations(world)
