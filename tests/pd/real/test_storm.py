@@ -40,7 +40,9 @@ def test_kills_a_partition_and_drops_leave_no_overwrite_leak_or_held_page(tmp_pa
     assert report["prefill_stats"]["decode_lives"] >= 2  # both ranks heard of the new life
     assert report["proxy"]["dropped"] > 0 and report["proxy"]["cut"] > 0
     assert report["prefill_ranks_dead_at_end"] == 0  # every rank's last process ended and said so
-    assert report["landing"]["pages_read"] > 500 and report["engine"]["errors"] > 0  # writes failed at the kills
+    assert report["landing"]["pages_read"] > 500
+    # No assertion that writes failed at the kills: whether one is in flight at a SIGKILL is timing (a
+    # clean-clone CI run met 0 engine errors); what matters, no late write on a released page, is failures().
 
 
 def test_a_rank_down_past_its_lease_is_fenced_by_deregistration(tmp_path):
@@ -63,14 +65,15 @@ def test_a_partitioned_rank_that_holds_its_lease_is_fenced_as_unreachable_and_co
     assert report["final_outcomes"] == 200
 
 
-# The freeze: rank 1 frozen 1 s into the storm for 5 s, its control link cut for 5.5 s, so no abort reaches
+# The freeze: rank 1 frozen 2.5 s into the storm for 5 s, its control link cut for 5.5 s, so no abort reaches
 # it and, when it runs again, the forwards it was running finish and post before its heartbeat is answered
 # revoked. The pool is larger than the 200 requests ever ask for, so no released page is handed out again
 # and a byte written on one after its release is still there when decode's scan looks (with pages reused,
 # the new owner's own write can erase that evidence first); arrivals span ~10 s, so the run outlasts the
-# freeze and the revoked exit.
+# freeze and the revoked exit. Not earlier: on a loaded machine the pair's first transfers took ~1.7 s
+# (a clean-clone CI run froze rank 1 at 1.0 s before it had posted anything: no late write to find).
 FROZEN = dict(requests=200, seed=1, topology=PrefillTopology(((0,), (1,))), restart_mean_s=None,
-              mean_arrival_s=0.05, lease_loss=((1, 1.0, 5.0),), partition=((1, 1.0, 5.5),),
+              mean_arrival_s=0.05, lease_loss=((1, 2.5, 5.0),), partition=((1, 2.5, 5.5),),
               decode=DecodeConfig(fence_after_s=1.0, num_pages=4096))
 
 
