@@ -1,6 +1,7 @@
 """Breadth-first explicit-state exploration of the PD abort protocol, over the protocol's own code.
 
-Each state is a pickled :class:`~pd.abort.check.world.World`; every enabled action is applied to a fresh copy
+Each state is a pickled :class:`~pd.abort.check.world.World` (its frozen configuration shared, not copied:
+:mod:`pd.abort.check.snapshot`); every enabled action is applied to a fresh copy
 (the last one to the state itself, which is then spent), the result hashed (:mod:`pd.abort.check.hashing`) and,
 if new, checked (:mod:`pd.abort.check.invariants`) and queued. Where the partial-order reduction applies
 (:mod:`pd.abort.check.por`) only a persistent set of actions is expanded. A state in which nothing is owed any
@@ -17,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
-import pickle
 import time
 from dataclasses import dataclass, field, replace
 from functools import partial
@@ -27,12 +27,12 @@ from pd.abort.check.hashing import Hasher
 from pd.abort.check.invariants import terminal_violations, violations
 from pd.abort.check.parallel import map_spans, resolve_workers
 from pd.abort.check.por import persistent_set
+from pd.abort.check.snapshot import Snapshots
 from pd.abort.check.state import fingerprint
 from pd.abort.check.world import apply, build_world, enabled, label, owed
 from pd.abort.guards import guards_off
 
 _T0 = [0.0]  # the running check's start (for states/s)
-_PICKLE = pickle.HIGHEST_PROTOCOL
 
 
 def run_check(bounds: CheckBounds, classes: set | None = None, terminal_classes: set | None = None,
@@ -89,12 +89,17 @@ class _Search:
         self.next_fps: set[int] = set()  # fingerprints one level deeper than the states being expanded
 
     def run(self, start: float) -> dict:
-        b, root = self.bounds, build_world(self.bounds)
+        root = build_world(self.bounds)
+        with Snapshots(root) as self.snap:  # before any worker is forked: they load its blobs too
+            return self._search(root, start)
+
+    def _search(self, root, start: float) -> dict:
+        b = self.bounds
         root_fp = self.hashed(root)
         self.parents[root_fp] = (None, None)
         if self.classes is not None:
             self.classes.add(_class(root))
-        frontier = [(root_fp, pickle.dumps(root, _PICKLE))]
+        frontier = [(root_fp, self.snap.dumps(root))]
         depth, stopped = 0, None
         while frontier and stopped is None:
             self.stats["frontier_sizes"].append(len(frontier))
@@ -146,7 +151,7 @@ class _Search:
 
     def _expand(self, fp: int, blob: bytes, span: _Span):
         """Expand one state; a violation found is returned as (depth offset, broken, trace end)."""
-        world = pickle.loads(blob)
+        world = self.snap.loads(blob)
         actions = enabled(world)
         if not owed(actions):
             span.stats["terminal_states"] += 1
@@ -171,7 +176,7 @@ class _Search:
         return ("expand", i) as soon as the i-th child is pruned or an older state — one no deeper than
         this one: the breadth-first cycle proviso (see pd.abort.check.por)."""
         for i, action in enumerate(actions):
-            child = world if world is not None and i == len(actions) - 1 else pickle.loads(blob)
+            child = world if world is not None and i == len(actions) - 1 else self.snap.loads(blob)
             span.stats["transitions"] += 1
             try:
                 apply(child, action)
@@ -191,7 +196,7 @@ class _Search:
             if self.classes is not None:
                 span.classes.add(_class(child))
             broken = violations(child)
-            span.children.append((child_fp, fp, action, None if broken else pickle.dumps(child, _PICKLE)))
+            span.children.append((child_fp, fp, action, None if broken else self.snap.dumps(child)))
             if broken:
                 return 1, broken, (child_fp, None)
         return None

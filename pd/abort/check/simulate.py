@@ -20,7 +20,6 @@ shortest one (``shortest: false``; ``--shortest`` re-runs the breadth-first sear
 
 from __future__ import annotations
 
-import pickle
 import random
 import time
 from dataclasses import dataclass, field
@@ -30,10 +29,9 @@ from pd.abort.check.explorer import _class, _over_capacity, _quiet, replay, shor
 from pd.abort.check.invariants import terminal_violations, violations
 from pd.abort.check.minimize import minimize
 from pd.abort.check.parallel import map_spans, resolve_workers
+from pd.abort.check.snapshot import Snapshots
 from pd.abort.check.world import OWED, apply, build_world, enabled, label
 from pd.abort.guards import guards_off
-
-_PICKLE = pickle.HIGHEST_PROTOCOL
 
 
 @dataclass(frozen=True)
@@ -157,7 +155,13 @@ def _walks(bounds: CheckBounds, plan: WalkPlan, first: int, end: int, deadline: 
 
 def _walk(bounds: CheckBounds, plan: WalkPlan, index: int, span: _Span) -> tuple[str, int, list, list]:
     """One walk: (how it ended, faults spent, the violations found, the labels of its steps)."""
-    rng, world, labels, counts = random.Random(f"{plan.seed}:{index}"), build_world(bounds), [], span.counts
+    world = build_world(bounds)
+    with Snapshots(world) as snap:
+        return _walk_from(world, snap, plan, random.Random(f"{plan.seed}:{index}"), span)
+
+
+def _walk_from(world, snap: Snapshots, plan: WalkPlan, rng: random.Random, span: _Span) -> tuple[str, int, list, list]:
+    labels, counts = [], span.counts
     for _ in range(plan.max_steps):
         actions = enabled(world)
         owed = [a for a in actions if a[0] in OWED]
@@ -173,7 +177,7 @@ def _walk(bounds: CheckBounds, plan: WalkPlan, index: int, span: _Span) -> tuple
         groups = [optional, owed] if optional and rng.random() < plan.fault_rate else [owed, optional]
         if not owed and groups[0] is not optional:
             return "terminal_walks", world.faults_used, [], labels  # nothing owed, no optional action drawn
-        world, step = _step(world, groups, rng, counts)
+        world, step = _step(world, snap, groups, rng, counts)
         if step is None:
             return "stuck_walks", world.faults_used, [], labels  # every enabled action exceeds the capacity
         labels.append(step[0])
@@ -184,7 +188,7 @@ def _walk(bounds: CheckBounds, plan: WalkPlan, index: int, span: _Span) -> tuple
     return "truncated_walks", world.faults_used, [], labels
 
 
-def _step(world, groups: list[list[tuple]], rng: random.Random, counts: dict):
+def _step(world, snap: Snapshots, groups: list[list[tuple]], rng: random.Random, counts: dict):
     """Apply an action drawn from the first group that has one within the channel capacity:
     (the world after it, (its label, [exception] or [])), or (world, None) if none fits."""
     snapshot = None
@@ -193,7 +197,7 @@ def _step(world, groups: list[list[tuple]], rng: random.Random, counts: dict):
         rng.shuffle(candidates)
         for action in candidates:
             if snapshot is None:
-                snapshot = pickle.dumps(world, _PICKLE)
+                snapshot = snap.dumps(world)
             text = label(world, action)
             try:
                 apply(world, action)
@@ -202,5 +206,5 @@ def _step(world, groups: list[list[tuple]], rng: random.Random, counts: dict):
             if not _over_capacity(world, world.bounds.channel_capacity):
                 return world, (text, [])
             counts["pruned_by_channel_capacity"] += 1
-            world = pickle.loads(snapshot)
+            world = snap.loads(snapshot)
     return world, None
