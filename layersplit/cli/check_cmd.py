@@ -116,7 +116,7 @@ def run_pd(args: argparse.Namespace) -> int:
     else:
         keys = _SIMULATION_KEYS if plan is not None else _SEARCH_KEYS
         for key in keys:
-            print(f"{key:<28} {result[key]}")
+            print(f"{key:<28} {_end_classes(result[key]) if key == 'end_classes' else result[key]}")
         if result["counterexample"]:
             maybe = "(one-minimal, maybe not shortest: --shortest)" if plan is not None \
                 else "(maybe not shortest: --shortest or --no-por)"
@@ -131,9 +131,17 @@ def run_pd(args: argparse.Namespace) -> int:
 _SEARCH_KEYS = ("states", "depth", "transitions", "terminal_states", "pruned_by_channel_capacity", "por_reduced_states",
                 "seconds", "states_per_s", "workers", "reductions", "complete", "stopped", "violations")
 _SIMULATION_KEYS = ("walks", "steps", "terminal_walks", "truncated_walks", "stuck_walks", "faults_spent",
-                    "pruned_by_channel_capacity", "violating_walk", "raw_trace_length", "seconds", "steps_per_s",
-                    "workers", "complete", "stopped", "violations")
+                    "pruned_by_channel_capacity", "violating_walk", "raw_trace_length", "end_classes", "seconds",
+                    "steps_per_s", "workers", "complete", "stopped", "violations")
 _WALK_FLAGS = (("seed", "--seed"), ("max_steps", "--max-steps"), ("fault_rate", "--fault-rate"))
+
+
+def _end_classes(e: dict) -> str:
+    if not e["walks"]:
+        return "no walk ended with nothing owed"
+    return (f"{e['classes']} classes over {e['walks']} terminal walks ({e['seen_once']} seen once, {e['seen_twice']} "
+            f"twice); estimated chance the next walk ends in an unseen one {e['unseen_mass']} (Good-Turing), "
+            f"classes walks reach >= ~{e['chao1_classes']} (Chao1); estimates, not exhaustive")
 
 
 def _walk_plan(args: argparse.Namespace):

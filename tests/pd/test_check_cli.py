@@ -86,6 +86,11 @@ def test_simulate_runs_random_walks_and_says_they_are_not_exhaustive(capsys):
     result = json.loads(capsys.readouterr().out)
     assert result["mode"] == "simulation" and result["walks"] == 20 and result["plan"]["seed"] == 4
     assert result["complete"] is False and result["violations"] == [] and "not exhaustive" in result["note"]
+    ends = result["end_classes"]
+    assert ends["walks"] == result["terminal_walks"] and "not exhaustive" in ends["note"]
+    assert main(SMALL + ["--simulate", "20", "--seed", "4"]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("end_classes"))
+    assert f"{ends['classes']} classes over {ends['walks']} terminal walks" in line and "(Good-Turing)" in line
 
 
 def test_a_simulated_counterexample_is_one_minimal_saved_and_replays(tmp_path, capsys):

@@ -15,16 +15,20 @@ A walk that finds nothing proves nothing about the states it did not visit: the 
 ``complete``. A violation's trace is then shortened (:func:`minimize`): steps are removed, in chunks
 halving down to one, while the replay of what is left still ends in a violation of the same kind — a
 trace from which no single step can be removed (:mod:`pd.abort.check.minimize`), not necessarily a
-shortest one (``shortest: false``; ``--shortest`` re-runs the breadth-first search to that depth).
+shortest one (``shortest: false``; ``--shortest`` re-runs the breadth-first search to that depth). What a
+clean run has left unseen is estimated from the classes of the states the walks ended in
+(``end_classes``: :mod:`pd.abort.check.coverage`).
 """
 
 from __future__ import annotations
 
 import random
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 
 from pd.abort.check.bounds import CheckBounds
+from pd.abort.check.coverage import end_class_estimates
 from pd.abort.check.explorer import _class, _over_capacity, _quiet, replay, shortest
 from pd.abort.check.invariants import terminal_violations, violations
 from pd.abort.check.minimize import minimize
@@ -66,6 +70,7 @@ _COUNTS = ("walks", "steps", *_ENDS, "pruned_by_channel_capacity")
 class _Span:
     counts: dict = field(default_factory=lambda: dict.fromkeys(_COUNTS, 0))
     faults_spent: dict = field(default_factory=dict)  # faults a walk spent -> walks
+    ends: Counter = field(default_factory=Counter)  # the class of a terminal walk's last state -> walks
     found: tuple | None = None  # (walk index, violations, labels)
     stopped: bool = False
     classes: set | None = None  # the classes of the states / the terminal states the walks reached, if asked
@@ -79,12 +84,13 @@ def simulate(bounds: CheckBounds, plan: WalkPlan, workers: int | str = 1, classe
     (``counterexample`` holds the shortened trace, ``raw_trace_length`` the walk's own). ``classes`` /
     ``terminal_classes``: if given, filled with the class of every state / every state where nothing is
     owed that a walk reached — as ``run_check`` fills them, so a test can hold the walks' states inside the
-    exhaustive search's and measure how much of it they covered."""
+    exhaustive search's and measure how much of it they covered. ``end_classes``: the estimates over the
+    classes of the walks' end states (:func:`~pd.abort.check.coverage.end_class_estimates`)."""
     workers = resolve_workers(workers)
     collect = (classes is not None, terminal_classes is not None)
     start = time.perf_counter()
     deadline = start + bounds.timeout_s
-    total, faults_spent, found, stopped = _Span(), {}, None, None
+    total, faults_spent, ends, found, stopped = _Span(), {}, Counter(), None, None
     with guards_off(bounds.guards_off), _quiet():
         for span in map_spans(lambda a, b: _walks(bounds, plan, a, b, deadline, collect), plan.walks, workers):
             for mine, theirs in ((classes, span.classes), (terminal_classes, span.terminal_classes)):
@@ -94,6 +100,7 @@ def simulate(bounds: CheckBounds, plan: WalkPlan, workers: int | str = 1, classe
                 total.counts[key] += span.counts[key]
             for spent, n in span.faults_spent.items():
                 faults_spent[spent] = faults_spent.get(spent, 0) + n
+            ends.update(span.ends)
             if span.found is not None:
                 found = span.found
                 break
@@ -112,7 +119,7 @@ def simulate(bounds: CheckBounds, plan: WalkPlan, workers: int | str = 1, classe
     return {"mode": "simulation", "bounds": bounds.to_dict(), "plan": vars(plan).copy(), **total.counts,
             "faults_spent": {str(k): faults_spent[k] for k in sorted(faults_spent)},
             "violating_walk": None if found is None else found[0], "raw_trace_length": raw,
-            "one_minimal": minimal,
+            "one_minimal": minimal, "end_classes": end_class_estimates(ends),
             "violations": [] if found is None else [v.split(":")[0] for v in counterexample["violation"]],
             "counterexample": counterexample, "complete": False, "shortest": False, "stopped": stopped,
             "workers": workers, "seconds": round(seconds, 2), "walk_seconds": round(walked_s, 2),
@@ -175,8 +182,9 @@ def _walk_from(world, snap: Snapshots, plan: WalkPlan, rng: random.Random, span:
                 return "violating_walks", world.faults_used, broken, labels
         optional = [a for a in actions if a[0] not in OWED]
         groups = [optional, owed] if optional and rng.random() < plan.fault_rate else [owed, optional]
-        if not owed and groups[0] is not optional:
-            return "terminal_walks", world.faults_used, [], labels  # nothing owed, no optional action drawn
+        if not owed and groups[0] is not optional:  # nothing owed, no optional action drawn
+            span.ends[_class(world)] += 1
+            return "terminal_walks", world.faults_used, [], labels
         world, step = _step(world, snap, groups, rng, counts)
         if step is None:
             return "stuck_walks", world.faults_used, [], labels  # every enabled action exceeds the capacity
