@@ -1,7 +1,7 @@
 """Copies of a world for the search and the walks: pickles that leave its frozen configuration out.
 
 Every state the checker keeps, and every copy it branches from, is a pickle of the whole world — and a
-fifth of that pickle, and about half the time to load it, is configuration no step ever changes: the
+third of that pickle, and some 40% of the time to load it, is configuration no step ever changes: the
 bounds, the stress configuration and the frozen dataclasses inside it (decode's and prefill's configs,
 the topology, the back-off, the fault rates). :class:`Snapshots` pickles those objects as references to
 the one instance the initial world was built with, so every copy shares it.
