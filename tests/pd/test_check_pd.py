@@ -15,7 +15,8 @@ import pytest
 from pd.abort.check import (CheckBounds, format_trace, load_counterexample, replay, run_check, save_counterexample,
                             shortest)
 from pd.abort.check.explorer import _quiet
-from pd.abort.check.por import unsound_independence
+from pd.abort.check import por
+from pd.abort.check.por import unsound_independence, unsound_quiet
 from pd.abort.check.state import every_renaming, fingerprint, orbit_fingerprint, symmetries, unclassified
 from pd.abort.check.world import apply, build_world, enabled, label
 from pd.abort.guards import GUARDS, guards_off
@@ -74,7 +75,7 @@ def test_ci_bound_explores_every_interleaving_without_a_violation():
     result = run_check(CI_BOUND)
     assert result["violations"] == [] and result["counterexample"] is None
     assert result["complete"] and result["stopped"] is None
-    assert 1_000 < result["states"] < 200_000 and result["depth"] > 10 and result["terminal_states"] > 0
+    assert 500 < result["states"] < 200_000 and result["depth"] > 10 and result["terminal_states"] > 0
 
 
 @pytest.mark.parametrize("name", list(TEETH))
@@ -121,10 +122,13 @@ def test_reductions_lose_no_state_class(symmetry=False, stale=False):
 
 
 # the partial-order reduction keeps every terminal state class (and every violation), not every state: its
-# cross-check compares terminal classes, at the CI bound (~1,300 states) and at one with a fault (~2,400)
+# cross-check compares terminal classes, at the CI bound (~1,300 states), at one with a fault (~2,400) and at
+# one with two requests (~3,700: a quiet reply for one room is ordered once against the other room's steps)
 POR_BOUNDS = {"ci": CI_BOUND,
               "fault": CheckBounds(prefill_ranks=2, requests=1, faults=1, retries=0, cancels=0, polls=0,
-                                   channel_capacity=1, fault_kinds=("drop", "decode_restart"))}
+                                   channel_capacity=1, fault_kinds=("drop", "decode_restart")),
+              "two_requests": CheckBounds(prefill_ranks=1, requests=2, faults=0, retries=0, cancels=0, polls=0,
+                                          channel_capacity=1)}
 
 
 def _terminal_classes(bounds: CheckBounds) -> tuple[dict, set]:
@@ -183,6 +187,23 @@ def test_a_wrong_independence_entry_fails_the_cross_check():
     assert wrong["complete"] and kept < every
     _, sound = _terminal_classes(bounds)
     assert sound == every
+
+
+@pytest.mark.parametrize("bound", ["fault", "two_requests"])
+def test_a_wrong_quiet_delivery_fails_the_cross_check(bound, monkeypatch):
+    """The quiet-delivery set's teeth: taking every delivery into decode as quiet (a TransferDone from an
+    owner completes a request, an AbortAck releases pages) loses terminal classes; the real set keeps them
+    and is what reduces the search below the rank-local sets alone."""
+    bounds = POR_BOUNDS[bound]
+    _, every = _terminal_classes(replace(bounds, por=False))
+    with unsound_quiet():
+        wrong, kept = _terminal_classes(bounds)
+    assert wrong["complete"] and kept < every
+    quiet, sound = _terminal_classes(bounds)
+    assert sound == every
+    monkeypatch.setattr(por, "_quiet_into_decode", lambda w, a: False)
+    rank_local_only, _ = _terminal_classes(bounds)
+    assert quiet["states"] < rank_local_only["states"]
 
 
 def test_every_guard_has_teeth_or_is_a_detector():

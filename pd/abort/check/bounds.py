@@ -47,7 +47,7 @@ class CheckBounds:
     fault_kinds: tuple[str, ...] = FAULT_KINDS
     symmetry: bool = True  # merge states equal up to a renaming of prefill ranks and of request ids
     stale_events: bool = True  # neither fire nor hash pending events that can change nothing (pd.abort.check.stale)
-    por: bool = True  # partial-order reduction: persistent sets of one rank's local steps (pd.abort.check.por)
+    por: bool = True  # partial-order reduction: persistent sets (pd.abort.check.por)
     max_depth: int | None = None
 
     def __post_init__(self) -> None:

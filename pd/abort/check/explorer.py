@@ -212,7 +212,8 @@ class _Search:
                 "states_per_s": round(len(self.parents) / max(time.perf_counter() - _T0[0], 1e-9), 1),
                 "reductions": ["symmetry: prefill ranks x request ids"] * b.symmetry
                               + ["stale events neither fired nor hashed"] * b.stale_events
-                              + ["partial order: persistent sets of one rank's local steps"] * b.por,
+                              + ["partial order: persistent sets of one rank's local steps, or of one quiet "
+                                 "delivery into decode"] * b.por,
                 "note": "explicit-state model check: every interleaving of pd's own protocol code within the "
                         "bounds (up to the reductions listed, each of which keeps every violation and terminal "
                         "state class)"}

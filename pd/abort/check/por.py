@@ -1,4 +1,5 @@
-"""Partial-order reduction: a persistent set of one prefill rank's local steps, explored alone.
+"""Partial-order reduction: a persistent set of one prefill rank's local steps (or of one quiet delivery
+into decode), explored alone.
 
 **The set.** For prefill rank r, ``T_r(s)`` is every action enabled in s that *belongs* to r: a delivery
 into r (the head of decode->r, or a late duplicate to r), and r's own pending events — its forward pass
@@ -54,6 +55,25 @@ T_r(s) is **persistent** (Godefroid 1996, def. 4.1). It is also made of **owed**
 * An action whose result is pruned by the channel capacity is not enabled (the pruned graph is the one
   checked), and persistence there needs every action of T_r enabled: the explorer then expands fully too.
 
+**A second kind of set: one quiet delivery into decode.** A delivery of the head of r->decode is *quiet*
+in s when decode's handler changes nothing the fingerprint holds — only statistics, and the
+Waiting -> Transferring step the fingerprint folds (every decision treats the two alike) — and stays quiet
+on every path from s that does not take it: a reply to an older decode life (lives only rise) or naming a
+peer it did not come from (the transport's identity); a reply for a room decode no longer holds (a room
+number never comes back) or holds as succeeded or failed (neither comes back to life); a TransferStarted
+for a request waiting or transferring;
+a TransferDone from a rank already done (``done_peers`` only grows) or from a non-owner (``told`` and the
+incarnations are fixed from the announce on); a TransferFailed from a non-owner; an AbortAck whose room is
+gone, not aborted (its future token is fresh), of another abort's token or from a rank no longer awaited
+(the token is set once, ``unacked`` only shrinks). ``{t}`` for such a t is persistent under condition 1
+(only a drop, duplicate, reorder or misaddress of r->decode reads its head; decode_restart turns the
+reply into an older life's, still quiet) and while the unreachable fence is off (its timer reads
+``heard``, which every delivery moves): every other action pushes onto a tail, pops another queue or
+touches another process, and commutes with t (the pop only makes room under the channel capacity).
+Terminal states are kept as above (t stays enabled and owed off the set), and so are violations: t
+changes no hashed state an invariant reads (the channel queues are read by none). Unlike ``T_r`` it
+crosses requests: a quiet reply for one room is ordered once against the other room's steps.
+
 **What it does not preserve: the shortest counterexample.** A violation found under the reduction may not
 be at the least depth (the reduced graph skips orders). The result says so (``shortest: false`` where a
 state was reduced); ``--shortest`` (or ``run_check(replace(bounds, por=False, max_depth=n))``) re-runs
@@ -62,6 +82,8 @@ without it to that depth, which gives a breadth-first, hence shortest, trace.
 Any other pending event (a protocol step added later, e.g. the cluster's lease renewal) switches the
 reduction off in that state until its footprint is added here.
 
+``unsound_quiet`` (tests only) takes every delivery into decode as quiet, which it is not (a TransferDone
+from an owner completes a request).
 ``unsound_independence`` (tests only) declares r's landing writes local — wrong, since a write reads decode's
 page owner — and drops condition 3 (so a later delivery into r is taken as independent of r's steps), so the
 cross-check that compares reduced and unreduced runs can show it would catch a bad entry.
@@ -72,11 +94,12 @@ from __future__ import annotations
 import contextlib
 from typing import Iterator
 
-from pd.abort.messages import TransferRequest
+from pd.abort.decode_request import FAILED, SUCCESS, TRANSFERRING, WAITING
+from pd.abort.messages import AbortAck, TransferDone, TransferFailed, TransferRequest, TransferStarted
 from pd.abort.prefill_side import PrefillNode
 
 _LOCAL_EVENTS = ("_computed", "_post")
-_UNSOUND = {"writes_local": False}
+_UNSOUND = {"writes_local": False, "every_delivery_quiet": False}
 
 
 @contextlib.contextmanager
@@ -89,13 +112,27 @@ def unsound_independence() -> Iterator[None]:
         _UNSOUND["writes_local"] = False
 
 
+@contextlib.contextmanager
+def unsound_quiet() -> Iterator[None]:
+    """TEST ONLY: deliberately wrong independence (every delivery into decode taken as quiet)."""
+    _UNSOUND["every_delivery_quiet"] = True
+    try:
+        yield
+    finally:
+        _UNSOUND["every_delivery_quiet"] = False
+
+
 def persistent_set(w, actions: list[tuple]) -> list[tuple] | None:
-    """The smallest ``T_r`` of the module docstring that is persistent in ``w``, or None (expand fully)."""
+    """A quiet delivery into decode, else the smallest ``T_r`` of the module docstring that is persistent in
+    ``w``; None: expand fully."""
     b = w.bounds
     if w.faults_used < b.faults and not set(b.fault_kinds) <= {"decode_restart"}:
         return None  # condition 1: a fault could still touch any rank
     if not all(_analysed(w, e) for e in w.cluster.loop.events()):
         return None  # an event whose footprint the argument above does not cover (a newer protocol step)
+    quiet = next((a for a in actions if _quiet_into_decode(w, a)), None)
+    if quiet is not None and len(actions) > 1:
+        return [quiet]
     best = None
     for rank, node in enumerate(w.cluster.prefills):
         if not w.channel.queues.get(("decode", f"prefill{rank}")) and not _UNSOUND["writes_local"]:
@@ -157,6 +194,34 @@ def _may_reject_late(node: PrefillNode, msg: object) -> bool:
     if not isinstance(msg, TransferRequest) or not node.up or msg.decode_life < node.decode_life:
         return False
     return msg.room in node.book.tombstones or msg.epoch < max(node.book.floor, msg.floor)
+
+
+def _quiet_into_decode(w, a: tuple) -> bool:
+    """Is ``a`` the delivery of the head of r->decode that changes nothing decode's hashed state holds,
+    in ``w`` and on every path from ``w`` that does not take it?"""
+    if a[0] != "deliver" or a[1][1] != "decode" or _UNSOUND["writes_local"]:
+        return False
+    if _UNSOUND["every_delivery_quiet"]:
+        return True
+    d, msg, src = w.cluster.decode, w.channel.queues[a[1]][a[2]], a[1][0]
+    if d.cfg.fence_unreachable_s is not None:
+        return False  # the unreachable fence's timer reads whether anything was heard from src meanwhile
+    rank = int(src[len("prefill"):])
+    if msg.decode_life != d.life or msg.peer != rank:
+        return True  # an older life's reply (lives only rise), or one naming a peer it did not come from
+    req = d.reqs.get(msg.room)
+    if isinstance(msg, AbortAck):
+        return req is None or req.abort_token is None or req.abort_token != msg.token or msg.peer not in req.unacked
+    if req is None or req.state in (SUCCESS, FAILED):
+        return True  # late: a room decode no longer holds never comes back, nor does a request come back to life
+    if req.state not in (WAITING, TRANSFERRING):
+        return False
+    owner = msg.peer in req.told and msg.incarnation == req.incarnations[msg.peer]  # fixed from the announce on
+    if isinstance(msg, TransferStarted):
+        return True  # Waiting -> Transferring: one state to every decision (and to the fingerprint)
+    if isinstance(msg, TransferDone):
+        return msg.peer in req.done_peers or not owner
+    return isinstance(msg, TransferFailed) and not owner
 
 
 def _event(w, a: tuple) -> tuple:
