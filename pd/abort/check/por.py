@@ -72,7 +72,9 @@ reply into an older life's, still quiet) and while the unreachable fence is off 
 touches another process, and commutes with t (the pop only makes room under the channel capacity).
 Terminal states are kept as above (t stays enabled and owed off the set), and so are violations: t
 changes no hashed state an invariant reads (the channel queues are read by none). Unlike ``T_r`` it
-crosses requests: a quiet reply for one room is ordered once against the other room's steps.
+crosses requests: a quiet reply for one room is ordered once against the other room's steps. Where the
+test leans on a guarded method (the transport's identity, ``owners-only``'s membership), it asks the
+method in force or gives up, so a guard switched off is checked as it behaves.
 
 **What it does not preserve: the shortest counterexample.** A violation found under the reduction may not
 be at the least depth (the reduced graph skips orders). The result says so (``shortest: false`` where a
@@ -95,10 +97,12 @@ import contextlib
 from typing import Iterator
 
 from pd.abort.decode_request import FAILED, SUCCESS, TRANSFERRING, WAITING
+from pd.abort.decode_side import DecodeNode
 from pd.abort.messages import AbortAck, TransferDone, TransferFailed, TransferRequest, TransferStarted
 from pd.abort.prefill_side import PrefillNode
 
 _LOCAL_EVENTS = ("_computed", "_post")
+_RECORD_DONE = DecodeNode._record_done  # the guarded method as shipped (pd.abort.guards swaps it while off)
 _UNSOUND = {"writes_local": False, "every_delivery_quiet": False}
 
 
@@ -207,7 +211,7 @@ def _quiet_into_decode(w, a: tuple) -> bool:
     if d.cfg.fence_unreachable_s is not None:
         return False  # the unreachable fence's timer reads whether anything was heard from src meanwhile
     rank = int(src[len("prefill"):])
-    if msg.decode_life != d.life or msg.peer != rank:
+    if msg.decode_life != d.life or not d._from_peer(msg, rank):  # the method: a guard switched off believes it
         return True  # an older life's reply (lives only rise), or one naming a peer it did not come from
     req = d.reqs.get(msg.room)
     if isinstance(msg, AbortAck):
@@ -219,8 +223,8 @@ def _quiet_into_decode(w, a: tuple) -> bool:
     owner = msg.peer in req.told and msg.incarnation == req.incarnations[msg.peer]  # fixed from the announce on
     if isinstance(msg, TransferStarted):
         return True  # Waiting -> Transferring: one state to every decision (and to the fingerprint)
-    if isinstance(msg, TransferDone):
-        return msg.peer in req.done_peers or not owner
+    if isinstance(msg, TransferDone):  # with owners-only off, a non-owner's report counts
+        return msg.peer in req.done_peers or (not owner and DecodeNode._record_done is _RECORD_DONE)
     return isinstance(msg, TransferFailed) and not owner
 
 
