@@ -164,10 +164,34 @@ def _walk(bounds: CheckBounds, plan: WalkPlan, index: int, span: _Span) -> tuple
     """One walk: (how it ended, faults spent, the violations found, the labels of its steps)."""
     world = build_world(bounds)
     with Snapshots(world) as snap:
-        return _walk_from(world, snap, plan, random.Random(f"{plan.seed}:{index}"), span)
+        return _walk_from(world, _Rewind(snap, world), plan, random.Random(f"{plan.seed}:{index}"), span)
 
 
-def _walk_from(world, snap: Snapshots, plan: WalkPlan, rng: random.Random, span: _Span) -> tuple[str, int, list, list]:
+class _Rewind:
+    """How a walk takes back a step that went over the channel capacity: a snapshot every ``every`` steps
+    kept and the actions applied since, re-applied onto a copy of it (applying is deterministic, so that is
+    the world as it was). A snapshot per step cost ~150 us, more than the step itself; a step taken back is
+    rarer (one in six at the target bound) and costs a load and up to ``every`` - 1 steps."""
+
+    def __init__(self, snap: Snapshots, world, every: int = 8) -> None:
+        self.snap, self.every = snap, every
+        self.blob, self.since = snap.dumps(world), []
+
+    def kept(self, world, action: tuple) -> None:
+        """``action`` was applied to ``world`` and stays."""
+        self.since.append(action)
+        if len(self.since) >= self.every:
+            self.blob, self.since = self.snap.dumps(world), []
+
+    def back(self):
+        """A copy of the world after the last step that stayed."""
+        world = self.snap.loads(self.blob)
+        for action in self.since:
+            apply(world, action)
+        return world
+
+
+def _walk_from(world, rewind: _Rewind, plan: WalkPlan, rng: random.Random, span: _Span) -> tuple[str, int, list, list]:
     labels, counts = [], span.counts
     for _ in range(plan.max_steps):
         actions = enabled(world)
@@ -185,7 +209,7 @@ def _walk_from(world, snap: Snapshots, plan: WalkPlan, rng: random.Random, span:
         if not owed and groups[0] is not optional:  # nothing owed, no optional action drawn
             span.ends[_class(world)] += 1
             return "terminal_walks", world.faults_used, [], labels
-        world, step = _step(world, snap, groups, rng, counts)
+        world, step = _step(world, rewind, groups, rng, counts)
         if step is None:
             return "stuck_walks", world.faults_used, [], labels  # every enabled action exceeds the capacity
         labels.append(step[0])
@@ -196,23 +220,21 @@ def _walk_from(world, snap: Snapshots, plan: WalkPlan, rng: random.Random, span:
     return "truncated_walks", world.faults_used, [], labels
 
 
-def _step(world, snap: Snapshots, groups: list[list[tuple]], rng: random.Random, counts: dict):
+def _step(world, rewind: _Rewind, groups: list[list[tuple]], rng: random.Random, counts: dict):
     """Apply an action drawn from the first group that has one within the channel capacity:
     (the world after it, (its label, [exception] or [])), or (world, None) if none fits."""
-    snapshot = None
     for group in groups:
         candidates = list(group)
         rng.shuffle(candidates)
         for action in candidates:
-            if snapshot is None:
-                snapshot = snap.dumps(world)
             text = label(world, action)
             try:
                 apply(world, action)
             except Exception as exc:  # the implementation itself failed: a bug the trace reproduces
                 return world, (text, [f"exception: {exc!r}"])
             if not _over_capacity(world, world.bounds.channel_capacity):
+                rewind.kept(world, action)
                 return world, (text, [])
             counts["pruned_by_channel_capacity"] += 1
-            world = snap.loads(snapshot)
+            world = rewind.back()
     return world, None
