@@ -146,25 +146,28 @@ def _walks(bounds: CheckBounds, plan: WalkPlan, first: int, end: int, deadline: 
            collect: tuple[bool, bool] = (False, False)) -> _Span:
     """Walks ``first .. end - 1``, in order, until one finds a violation or the deadline passes."""
     span = _Span(classes=set() if collect[0] else None, terminal_classes=set() if collect[1] else None)
-    for index in range(first, end):
-        if time.perf_counter() > deadline:
-            span.stopped = True
-            break
-        span.counts["walks"] += 1
-        outcome, spent, broken, labels = _walk(bounds, plan, index, span)
-        span.counts[outcome] += 1
-        span.faults_spent[spent] = span.faults_spent.get(spent, 0) + 1
-        if broken:
-            span.found = (index, broken, labels)
-            break
+    root = build_world(bounds)
+    with Snapshots(root) as snap:  # one per span: every walk starts from a copy of the same initial world
+        initial = snap.dumps(root)
+        for index in range(first, end):
+            if time.perf_counter() > deadline:
+                span.stopped = True
+                break
+            span.counts["walks"] += 1
+            outcome, spent, broken, labels = _walk(snap, initial, plan, index, span)
+            span.counts[outcome] += 1
+            span.faults_spent[spent] = span.faults_spent.get(spent, 0) + 1
+            if broken:
+                span.found = (index, broken, labels)
+                break
     return span
 
 
-def _walk(bounds: CheckBounds, plan: WalkPlan, index: int, span: _Span) -> tuple[str, int, list, list]:
-    """One walk: (how it ended, faults spent, the violations found, the labels of its steps)."""
-    world = build_world(bounds)
-    with Snapshots(world) as snap:
-        return _walk_from(world, _Rewind(snap, world), plan, random.Random(f"{plan.seed}:{index}"), span)
+def _walk(snap: Snapshots, initial: bytes, plan: WalkPlan, index: int, span: _Span) -> tuple[str, int, list, list]:
+    """One walk from a copy of the initial world: (how it ended, faults spent, the violations found, the
+    labels of its steps)."""
+    world = snap.loads(initial)
+    return _walk_from(world, _Rewind(snap, world, blob=initial), plan, random.Random(f"{plan.seed}:{index}"), span)
 
 
 class _Rewind:
@@ -173,9 +176,10 @@ class _Rewind:
     the world as it was). A snapshot per step cost ~150 us, more than the step itself; a step taken back is
     rarer (one in six at the target bound) and costs a load and up to ``every`` - 1 steps."""
 
-    def __init__(self, snap: Snapshots, world, every: int = 8) -> None:
+    def __init__(self, snap: Snapshots, world, every: int = 8, blob: bytes | None = None) -> None:
+        """``blob``: ``world``'s snapshot, if the caller has one."""
         self.snap, self.every = snap, every
-        self.blob, self.since = snap.dumps(world), []
+        self.blob, self.since = snap.dumps(world) if blob is None else blob, []
 
     def kept(self, world, action: tuple) -> None:
         """``action`` was applied to ``world`` and stays."""
