@@ -177,16 +177,22 @@ def test_bad_worker_counts_are_refused(workers):
         run_check(CI_BOUND, workers=workers)
 
 
+def _wrong_entry_loses_classes(bounds: CheckBounds, wrong_entry) -> dict:
+    """With ``wrong_entry`` on, the reduced run loses terminal classes the unreduced one has; without it, it
+    keeps them all (returns that sound run's result)."""
+    _, every = _terminal_classes(replace(bounds, por=False))
+    with wrong_entry():
+        wrong, kept = _terminal_classes(bounds)
+    assert wrong["complete"] and kept < every
+    result, sound = _terminal_classes(bounds)
+    assert sound == every
+    return result
+
+
 def test_a_wrong_independence_entry_fails_the_cross_check():
     """The reduction's teeth: declaring a rank's landing writes local (they read decode's page owner) and
     dropping the non-empty-queue condition prunes interleavings the protocol needs: terminal classes are lost."""
-    bounds = POR_BOUNDS["ci"]
-    _, every = _terminal_classes(replace(bounds, por=False))
-    with unsound_independence():
-        wrong, kept = _terminal_classes(bounds)
-    assert wrong["complete"] and kept < every
-    _, sound = _terminal_classes(bounds)
-    assert sound == every
+    _wrong_entry_loses_classes(POR_BOUNDS["ci"], unsound_independence)
 
 
 @pytest.mark.parametrize("bound", ["fault", "two_requests"])
@@ -195,12 +201,7 @@ def test_a_wrong_quiet_delivery_fails_the_cross_check(bound, monkeypatch):
     owner completes a request, an AbortAck releases pages) loses terminal classes; the real set keeps them
     and is what reduces the search below the rank-local sets alone."""
     bounds = POR_BOUNDS[bound]
-    _, every = _terminal_classes(replace(bounds, por=False))
-    with unsound_quiet():
-        wrong, kept = _terminal_classes(bounds)
-    assert wrong["complete"] and kept < every
-    quiet, sound = _terminal_classes(bounds)
-    assert sound == every
+    quiet = _wrong_entry_loses_classes(bounds, unsound_quiet)
     monkeypatch.setattr(por, "_quiet_into_decode", lambda w, a: False)
     rank_local_only, _ = _terminal_classes(bounds)
     assert quiet["states"] < rank_local_only["states"]

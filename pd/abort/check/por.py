@@ -107,23 +107,22 @@ _UNSOUND = {"writes_local": False, "every_delivery_quiet": False}
 
 
 @contextlib.contextmanager
-def unsound_independence() -> Iterator[None]:
+def _unsound(entry: str) -> Iterator[None]:
+    _UNSOUND[entry] = True
+    try:
+        yield
+    finally:
+        _UNSOUND[entry] = False
+
+
+def unsound_independence():
     """TEST ONLY: deliberately wrong independence (r's landing writes counted local, condition 3 dropped)."""
-    _UNSOUND["writes_local"] = True
-    try:
-        yield
-    finally:
-        _UNSOUND["writes_local"] = False
+    return _unsound("writes_local")
 
 
-@contextlib.contextmanager
-def unsound_quiet() -> Iterator[None]:
+def unsound_quiet():
     """TEST ONLY: deliberately wrong independence (every delivery into decode taken as quiet)."""
-    _UNSOUND["every_delivery_quiet"] = True
-    try:
-        yield
-    finally:
-        _UNSOUND["every_delivery_quiet"] = False
+    return _unsound("every_delivery_quiet")
 
 
 def persistent_set(w, actions: list[tuple]) -> list[tuple] | None:
