@@ -14,8 +14,8 @@ import pytest
 
 from pd.abort.check import (CheckBounds, format_trace, load_counterexample, replay, run_check, save_counterexample,
                             shortest)
-from pd.abort.check.explorer import _quiet
 from pd.abort.check import por
+from pd.abort.check.explorer import _quiet
 from pd.abort.check.por import unsound_independence, unsound_quiet
 from pd.abort.check.state import every_renaming, fingerprint, orbit_fingerprint, symmetries, unclassified
 from pd.abort.check.world import apply, build_world, enabled, label

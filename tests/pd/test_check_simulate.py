@@ -4,13 +4,17 @@ nothing, are the same walks for any worker count, and shorten a violating trace 
 
 from __future__ import annotations
 
+import random
 from dataclasses import replace
 
 import pytest
 
 from pd.abort.check import CheckBounds, replay, run_check
 from pd.abort.check.minimize import minimize, still_breaks
-from pd.abort.check.simulate import WalkPlan, shortest_walk, simulate
+from pd.abort.check.simulate import WalkPlan, _Rewind, shortest_walk, simulate
+from pd.abort.check.snapshot import Snapshots
+from pd.abort.check.state import canonical
+from pd.abort.check.world import apply, build_world, enabled
 from pd.abort.guards import GUARDS
 
 TARGET = CheckBounds(timeout_s=120.0)  # the defaults are the target bound: 2 ranks, 2 requests, 2 faults
@@ -136,15 +140,8 @@ def test_the_walks_reach_only_states_the_exhaustive_search_has_and_most_of_its_t
 @pytest.mark.parametrize("every", [1, 3, 8])
 def test_a_step_taken_back_restores_the_world_before_it(every):
     """The walk's rewind (a snapshot every few steps, the actions since re-applied) gives back the world as
-    it was after the last step kept — checked against a snapshot of each state, at every step of 20
-    seeded walks at the target bound, on both sides of each snapshot."""
-    import random
-
-    from pd.abort.check.simulate import _Rewind
-    from pd.abort.check.snapshot import Snapshots
-    from pd.abort.check.state import canonical
-    from pd.abort.check.world import apply, build_world, enabled
-
+    it was after the last step kept — its canonical form compared at every step of 20 seeded walks at the
+    target bound, on both sides of each snapshot."""
     checked = 0
     for seed in range(20):
         rng, world = random.Random(seed), build_world(TARGET)

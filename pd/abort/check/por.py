@@ -202,7 +202,7 @@ def _may_reject_late(node: PrefillNode, msg: object) -> bool:
 def _quiet_into_decode(w, a: tuple) -> bool:
     """Is ``a`` the delivery of the head of r->decode that changes nothing decode's hashed state holds,
     in ``w`` and on every path from ``w`` that does not take it?"""
-    if a[0] != "deliver" or a[1][1] != "decode" or _UNSOUND["writes_local"]:
+    if a[0] != "deliver" or a[1][1] != "decode":
         return False
     if _UNSOUND["every_delivery_quiet"]:
         return True
@@ -219,9 +219,9 @@ def _quiet_into_decode(w, a: tuple) -> bool:
         return True  # late: a room decode no longer holds never comes back, nor does a request come back to life
     if req.state not in (WAITING, TRANSFERRING):
         return False
-    owner = msg.peer in req.told and msg.incarnation == req.incarnations[msg.peer]  # fixed from the announce on
     if isinstance(msg, TransferStarted):
         return True  # Waiting -> Transferring: one state to every decision (and to the fingerprint)
+    owner = msg.peer in req.told and msg.incarnation == req.incarnations[msg.peer]  # fixed from the announce on
     if isinstance(msg, TransferDone):  # with owners-only off, a non-owner's report counts
         return msg.peer in req.done_peers or (not owner and DecodeNode._record_done is _RECORD_DONE)
     return isinstance(msg, TransferFailed) and not owner
