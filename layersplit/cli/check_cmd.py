@@ -30,7 +30,9 @@ def add_parser(sub: argparse._SubParsersAction, int_at_least) -> None:
     c.add_argument("--prefill-ranks", type=int_at_least(1), default=2, help="LayerSplit prefill CP ranks (default 2)")
     c.add_argument("--requests", type=int_at_least(1), default=2, help="request ids submitted (default 2)")
     c.add_argument("--faults", type=int_at_least(0), default=2,
-                   help="fault budget: drop/duplicate/reorder a message, fail a write batch, crash a prefill (default 2)")
+                   help="fault budget, shared by every kind --fault-kinds allows: drop / duplicate / reorder / "
+                        "misaddress a message, fail a write batch, crash or kill a prefill rank, restart decode, "
+                        "cut a rank's link, lose a live rank's lease (default 2)")
     c.add_argument("--pages", type=int_at_least(1), default=1, help="decode pages per request (default 1)")
     c.add_argument("--retries", type=int_at_least(0), default=1,
                    help="router retries of an aborted request: same rid, new room (default 1)")
