@@ -9,10 +9,10 @@ torch reference: the Triton interpreter is for kernel tests, not for runs.
 and, on CUDA, FlashInfer's top-k as their vendor tier (asking for "triton" gives the reference).
 A vendor op still checks each call and falls back by itself (``dsa_kernels.vendor``).
 
-Two things wrap every resolved function, so they hold on whichever backend runs:
+Three things wrap every resolved function, so they hold on whichever backend runs:
 
-* **One input contract** (``dsa_kernels.contract``): the torch and vendor functions are checked
-  here before they run; a Triton launcher calls the same check itself. A CPU test on the torch
+* **One input contract** (``dsa_kernels.contract``): every function is checked here before it
+  runs (a Triton launcher calls the same check again itself, for direct callers). A CPU test on the torch
   reference therefore refuses what the GPU path's kernels refuse, with the same message.
 * **Interpreted Triton launches are serialized.** Under ``TRITON_INTERPRET=1`` the interpreter
   keeps its grid and its patched ``tl`` builtins in process-global state, so two emulated streams
@@ -23,6 +23,13 @@ Two things wrap every resolved function, so they hold on whichever backend runs:
   Inside the lock, a **launch hook** (:func:`set_launch_hook`) may wrap the launch: the stream
   sanitizer declares there what the kernel really reads and writes, because the interpreter copies
   every tensor argument in and out whole (``hicache.kernel_accesses``).
+* **Triton and vendor calls go through the PyTorch dispatcher** as custom ops
+  (``torch.ops.dsa_kernels.*``, registered by ``dsa_kernels.custom_ops`` on first resolve), whose
+  schemas name the tensors each op writes: CUDA's stream sanitizer, the profiler and
+  ``torch.compile`` see them as they see aten ops. Order per call: the contract check, then the
+  interpreter lock and the launch hook (given the caller's own arguments), then the custom op.
+  The hook stays outside the op: the stream sanitizer's row-level declaration must replace the
+  whole-tensor write the schema would show it.
 """
 
 from __future__ import annotations
@@ -76,7 +83,7 @@ def _load(backend: str, op: str) -> Callable:
 
 
 def _checked(op: str, fn: Callable) -> Callable:
-    """``fn`` behind the op's contract (torch and vendor backends; Triton launchers check themselves)."""
+    """``fn`` behind the op's contract (every backend; a Triton launcher checks again by itself)."""
     check = contract.CHECKS.get(op)
     if check is None:  # the top-k selections: torch reference or FlashInfer, no kernel contract
         return fn
@@ -107,9 +114,19 @@ def _interpreter_locked(op: str, fn: Callable) -> Callable:
 
 
 def _wrap(backend: str, op: str, fn: Callable) -> Callable:
-    if backend != "triton":
-        return _checked(op, fn)
-    return _interpreter_locked(op, fn) if envs.triton_interpret() else fn
+    """An interpreted Triton launch under the lock and the launch hook; anything else as it is."""
+    return _interpreter_locked(op, fn) if backend == "triton" and envs.triton_interpret() else fn
+
+
+def _build(backend: str, op: str, fn: Callable) -> Callable:
+    """``fn`` as ``resolve`` returns it: the contract check (before the dispatcher, so its messages,
+    not the dispatcher's argument errors), then ``_wrap``, then the custom op for Triton and vendor
+    (the torch reference's aten ops are on the dispatcher already)."""
+    if backend != "torch":
+        from dsa_kernels import custom_ops  # registered on first resolve, not when dsa_kernels is imported
+
+        fn = custom_ops.routed(op, fn, backend)
+    return _checked(op, _wrap(backend, op, fn))
 
 
 def resolve(op: str, device: torch.device | str, backend: str | None = None) -> tuple[str, Callable]:
@@ -124,14 +141,14 @@ def _resolve(op: str, device_type: str, choice: str) -> tuple[str, Callable]:
     on_cuda = device_type == "cuda"
     if choice == "vendor":
         if op in _vendor_ops() and on_cuda:
-            return "vendor", _wrap("vendor", op, _vendor_ops()[op])
+            return "vendor", _build("vendor", op, _vendor_ops()[op])
         choice = "auto"  # ops without a vendor kernel use the next tier
     if choice == "auto":
         if on_cuda and op in _vendor_ops():
-            return "vendor", _wrap("vendor", op, _vendor_ops()[op])
+            return "vendor", _build("vendor", op, _vendor_ops()[op])
         choice = "triton" if on_cuda else "torch"
     if choice not in ("triton", "torch"):
         raise ValueError(f"backend: expected one of {envs.KERNEL_BACKENDS}, got {choice!r}")
     if op in TOPK_OPS:
         choice = "torch"  # no Triton top-k: the reference's sort is the non-vendor tier
-    return choice, _wrap(choice, op, _load(choice, op))
+    return choice, _build(choice, op, _load(choice, op))

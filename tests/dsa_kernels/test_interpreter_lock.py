@@ -136,7 +136,8 @@ def test_grid_collision_without_lock_is_detected(monkeypatch):
 
 
 def test_lock_only_under_the_interpreter(monkeypatch):
-    """On a GPU (no interpreter) the resolved Triton function is the launcher itself, unwrapped."""
+    """On a GPU (no interpreter) no lock: ``_wrap`` leaves the launch as it is (``resolve`` still puts
+    the contract check and the custom op around it)."""
     from dsa_kernels.triton_ops import paged_copy
 
     monkeypatch.setenv("TRITON_INTERPRET", "0")
