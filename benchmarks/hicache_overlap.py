@@ -28,7 +28,7 @@ import torch
 from dsa_kernels import indexer_scores, positions_to_slots, sparse_mla_prefill, topk_indices
 from hicache.device_pool import DSADevicePool
 from hicache.host_pool import DSAHostPool
-from hicache.load_pipeline import LayerwiseLoader
+from hicache.load_pipeline import LayerwiseLoader, compute_ready
 from hicache.paged_buffers import DSACacheSpec
 from hicache.streams import get_runtime
 
@@ -55,8 +55,11 @@ class Bench:
         self.w = torch.rand(t, args.index_heads, generator=g).to(dev)
         self.q = torch.randn(t, args.heads, 576, generator=g).to(torch.bfloat16).to(dev)
         self.ctx = ctx
-        self.loader = LayerwiseLoader(self.rt, self.device, self.host)
+        self.loader = LayerwiseLoader(self.rt, self.device, self.host)  # its load stream waits for the setup
         self.fwd = self.rt.stream("forward")
+        # hazard: the forward stream reads the inputs and the pool made above by kernels on the compute
+        # stream (a non-blocking stream is not ordered after them): it waits for them once
+        self.fwd.wait_event(compute_ready(self.rt))
 
     def _forward(self, load) -> None:
         state: dict = {}

@@ -15,10 +15,13 @@ Hazards handled here:
 * host pages must not be reused while a copy still reads them: the load holds a reference on them
   until its last event completed (:meth:`LayerwiseLoader.reclaim`);
 * the copies themselves are DMA on the Load Stream (:mod:`hicache.transfer`): no host-side half reads
-  host pages before the fences above (an offload still writing them) are met.
+  host pages before the fences above (an offload still writing them) are met;
+* init race: the device pool was created (zero-filled) by a kernel on the compute stream, and a
+  non-blocking Load Stream is not ordered after it: the constructor records an event on the
+  runtime's compute stream and the Load Stream waits on it before its first op.
 
-``unsafe_skip`` drops named safeguards ({'indexer', 'kv', 'fence'}) to reproduce the upstream bugs
-in stress tests. Never set it in production.
+``unsafe_skip`` drops named safeguards ({'indexer', 'kv', 'fence', 'init'}) to reproduce the upstream
+bugs in stress and sanitizer tests. Never set it in production.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from hicache.host_pool import DSAHostPool
 from hicache.streams import Event, Runtime, Stream
 from hicache.transfer import PageIds, copy_layer_part, host_ids
 
-UNSAFE_CHOICES = ("indexer", "kv", "fence")
+UNSAFE_CHOICES = ("indexer", "kv", "fence", "init")
 
 
 @dataclass
@@ -66,6 +69,14 @@ class LayerLoad:
         return self.kv_ready[self.layers[-1]].query() if self.layers else True
 
 
+def compute_ready(runtime: Runtime) -> Event:
+    """An event recorded on ``runtime``'s compute stream now: everything the compute stream was given
+    so far (device tensors created on a host thread, their zero fill) is done when it completes."""
+    event = runtime.event()
+    event.record(runtime.compute_stream())
+    return event
+
+
 class LayerwiseLoader:
     def __init__(self, runtime: Runtime, device_pool: DSADevicePool, host_pool: DSAHostPool,
                  unsafe_skip: frozenset[str] | set[str] = frozenset()) -> None:
@@ -79,6 +90,8 @@ class LayerwiseLoader:
         self.stream = runtime.stream("load")
         self.unsafe_skip = frozenset(unsafe_skip)
         self._inflight: list[LayerLoad] = []
+        if "init" not in self.unsafe_skip:  # hazard: the pools' zero fill (compute stream) comes first
+            self.stream.wait_event(compute_ready(runtime))
 
     def start_loading(self, host_pages: list[int], device_pages: list[int], fences: list[Event] = (),
                       poison: int | None = None) -> LayerLoad:

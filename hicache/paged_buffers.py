@@ -69,7 +69,9 @@ class PagedDSABuffers:
 
         def buffer(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
             # allocated pinned, not pinned after: ``.pin_memory()`` copies, so for a moment the host
-            # holds the buffer twice (a GLM-5 host tier is hundreds of GB)
+            # holds the buffer twice (a GLM-5 host tier is hundreds of GB). Hazard: on a device the zero
+            # fill is a kernel on the current (compute) stream; a side stream that writes or reads the
+            # pool first waits for it (``LayerwiseLoader`` does, from its constructor)
             return torch.zeros(shape, dtype=dtype, device=self.device, pin_memory=pin_memory)
 
         self.kv = {layer: buffer(kv_shape, torch.bfloat16 if bf16 else torch.uint8) for layer in self.layers}

@@ -16,6 +16,19 @@ is reported with both call sites. A missing edge is reported on every run.
 * a stream: each emulated worker stream (its ops run on its thread), and the inline compute stream
   (the host thread inside ``stream.active()``). A copy op between host memory and device memory in
   a stream op is a DMA on that stream (``copy_(non_blocking=True)`` from pinned memory).
+* the compute stream is one agent, ``stream compute``, shared by every emulated compute stream
+  (``rt.compute_stream()``): on CUDA each is the device's current stream.
+
+**Tensor creation.** A factory op (``zeros``, ``empty``, ``full``, ``randn``, ``*_like``, ...) that a host
+thread runs outside any stream op and outside :func:`host_work` creates *device* memory: on CUDA it is a
+kernel on the current stream, so it is booked as a write by the compute stream (the host launched it
+then), not as host work ordered before every later submission. A side stream that writes or reads
+the new tensor must be ordered after the compute stream (an event recorded there), or the zero fill
+may land after its access: the init race of a pool zero-filled on the default stream and written by
+a non-blocking load stream. Later accesses by the *creating host thread* are ordered after the
+creation (on a CPU the host cannot tell a host tensor from a device one: either it was host work, or
+its later ops are kernels on the same stream). :func:`mark_host_memory` re-books a creation as host
+work (pinned staging made with ``torch.empty`` and then declared host memory).
 
 **Edges** (fed by :mod:`hicache.streams` when the *stream reaches them*, not when the host calls
 them): each submitted op carries the submitting host's clock; ``record`` snapshots the stream's
@@ -54,6 +67,7 @@ Usage::
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import threading
 import weakref
@@ -67,7 +81,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from hicache.sanitizer_access import COPIES, SKIP, byte_ranges, index_rows, is_host, op_accesses, where
-from hicache.sanitizer_access import mark_host_memory  # part of this module's API
+from hicache.sanitizer_access import mark_host_memory as _mark_host_memory
 from dsa_kernels import dispatch
 from hicache import kernel_accesses, sanitizer_host
 
@@ -124,6 +138,7 @@ class _Access:
     write: bool
     op: str
     where: str
+    host: int | None = None  # a creation: the host thread that ran it (ordered after it, see the docstring)
 
 
 @dataclass
@@ -148,7 +163,7 @@ class _Mode(TorchDispatchMode):
             out = func(*args, **kwargs)
             self.san._tls.internal = True  # its own host reads (index rows) are not the program's
             try:
-                self.san.on_op(func, args, inputs, out)
+                self.san.on_op(func, args, inputs, out, kwargs)
             finally:
                 self.san._tls.internal = False
         return out
@@ -171,6 +186,7 @@ class Sanitizer:
         self._agents: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # stream -> agent
         self._streams: dict[int, weakref.ref] = {}  # agent -> stream
         self._active: set[int] = set()  # agents that accessed memory
+        self._compute: int | None = None  # the compute stream's agent (:meth:`compute_agent`)
 
     # agents -------------------------------------------------------------------------------------
     def _new_agent(self, name: str) -> int:
@@ -188,13 +204,25 @@ class Sanitizer:
 
     def stream_agent(self, stream) -> int:
         """This sanitizer's agent for ``stream`` (kept here, not on the stream: a later sanitizer
-        numbers its agents afresh)."""
+        numbers its agents afresh). Every emulated compute stream is :meth:`compute_agent`."""
+        from hicache.streams import InlineStream  # here: hicache.streams imports this module
+
         with self._lock:
             agent = self._agents.get(stream)
             if agent is None:
-                agent = self._agents[stream] = self._new_agent(f"stream {stream.name}")
-                self._streams[agent] = weakref.ref(stream)
+                inline = isinstance(stream, InlineStream)
+                agent = self._agents[stream] = self.compute_agent() if inline else self._new_agent(f"stream {stream.name}")
+                self._streams.setdefault(agent, weakref.ref(stream))
             return agent
+
+    def compute_agent(self) -> int:
+        """The compute stream (the device's current stream on CUDA): one agent for every emulated
+        compute stream, and the one that creates device tensors on a host thread (module docstring)."""
+        with self._lock:
+            if self._compute is None:
+                self._compute = self._new_agent("stream compute")
+                self._inline.add(self._compute)  # run by the host thread, in program order
+            return self._compute
 
     def _state(self, agent: int) -> dict[int, int]:
         return self.sync.current_sync_states[agent]
@@ -347,7 +375,7 @@ class Sanitizer:
     def parse_inputs(self, func, args, kwargs) -> list[tuple[torch.Tensor, bool]]:
         return op_accesses(func, args, kwargs)
 
-    def on_op(self, func, args, inputs, out) -> None:
+    def on_op(self, func, args, inputs, out, kwargs=None) -> None:
         outputs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
         seen = {t.untyped_storage().data_ptr() for t, _ in inputs}
         fresh = [] if any(r.alias_info is not None for r in func._schema.returns) else [
@@ -355,15 +383,48 @@ class Sanitizer:
         indexed = index_rows(func, args)
         with self._lock:
             self._drain_freed()
-            agent, state, seq, host_half = self._agent_for(func, inputs)
+            creation = self._device_creation(inputs, fresh, kwargs or {})
+            agent, state, seq, host_half = self._creation() if creation else self._agent_for(func, inputs)
             self._active.add(agent)
             op, site = func._schema.name, where()
+            host = self.host_agent() if creation else None
             self.ops_checked += 1
             for t in fresh:
                 self._allocate(t, agent)
             for t, write in [*inputs, *((t, True) for t in fresh)]:
                 rows = indexed[1] if indexed is not None and t is indexed[0] else None
-                self._access(t, rows, _Access(0, 0, agent, seq, write, op, site), state)
+                self._access(t, rows, _Access(0, 0, agent, seq, write, op, site, host), state)
+
+    def _device_creation(self, inputs, fresh, kwargs: dict) -> bool:
+        """A factory op (reads no tensor, returns fresh ones) of a host thread outside any stream op
+        and outside :func:`host_work`, not into pinned memory: device memory made by the compute
+        stream (see the module docstring)."""
+        tls = self._tls
+        on_host_thread = getattr(tls, "stream", None) is None and not getattr(tls, "worker", False)
+        return (bool(fresh) and not inputs and on_host_thread and not getattr(tls, "host_declared", False)
+                and not kwargs.get("pin_memory", False))
+
+    def _creation(self) -> tuple[int, dict[int, int], int, bool]:
+        """Agent, clock and sequence number of a creation: the compute stream, which the host
+        launched it on just now (ordered after the host's past, not the host after it)."""
+        agent = self.compute_agent()
+        self._join(agent, self._state(self.host_agent()))
+        seq = next(self._seq)
+        self.sync.update_seq_num(agent, seq)
+        return agent, self._state(agent), seq, False
+
+    def created_on_host(self, tensors) -> None:
+        """``tensors`` are host memory (:func:`mark_host_memory`): their creation was host work,
+        and the pinned host allocator fences their reuse itself."""
+        with self._lock:
+            for t in tensors:
+                key = t.untyped_storage().data_ptr()
+                hist = self._storages.get(key)
+                owner = hist.storage() if hist is not None and hist.storage is not None else None
+                if owner is not None and owner.data_ptr() == key:
+                    hist.accesses = [a for a in hist.accesses if a.host is None]
+                    if hist.alloc_agent == self._compute:
+                        hist.alloc_agent = None
 
     def _agent_for(self, func, inputs) -> tuple[int, dict[int, int], int, bool]:
         stream = getattr(self._tls, "stream", None)
@@ -420,13 +481,14 @@ class Sanitizer:
             return
         _, hist = self._history(storage)
         for start, end in byte_ranges(t, rows):
-            self._check(hist, _Access(start, end, acc.agent, acc.seq, acc.write, acc.op, acc.where), state)
+            self._check(hist, dataclasses.replace(acc, start=start, end=end), state)
 
     def _check(self, hist: _History, acc: _Access, state: dict[int, int]) -> None:
         keep = []
         for prev in hist.accesses:
             overlap = prev.start < acc.end and acc.start < prev.end
-            if overlap and prev.agent != acc.agent and (acc.write or prev.write) and prev.seq > state.get(prev.agent, 0):
+            mine = prev.agent == acc.agent or prev.host == acc.agent  # the creating host thread: ordered after
+            if overlap and not mine and (acc.write or prev.write) and prev.seq > state.get(prev.agent, 0):
                 self._report("write-write" if prev.write and acc.write else "read-write", prev, acc)
             covered = prev.start >= acc.start and prev.end <= acc.end
             if covered and (self._settled(prev) if acc.write else prev.agent == acc.agent and not prev.write
@@ -511,6 +573,15 @@ class Sanitizer:
 # module API (no-ops when the sanitizer is off) ------------------------------------------------------
 def current() -> Sanitizer | None:
     return _active
+
+
+def mark_host_memory(*tensors: torch.Tensor) -> None:
+    """Declare ``tensors`` host memory (host pools, pinned staging): non-copy ops on them inside a
+    stream op are host work at submit time, and their creation was host work, not the compute
+    stream's (see the module docstring)."""
+    _mark_host_memory(*tensors)
+    if _active is not None:
+        _active.created_on_host(tensors)
 
 
 def _declare_launch(op: str, args: tuple, kwargs: dict):

@@ -14,7 +14,7 @@ import torch
 from hicache import sanitizer
 from hicache.device_pool import DSADevicePool
 from hicache.host_pool import DSAHostPool
-from hicache.load_pipeline import LayerwiseLoader
+from hicache.load_pipeline import LayerwiseLoader, compute_ready
 from hicache.radix import PrefixIndex, load_back
 from hicache.stress import StressConfig, run_stress
 from tests.hicache.conftest import SPEC, fill_random, same_pages
@@ -84,6 +84,7 @@ def test_host_sync_orders_later_host_and_stream_work(rt):
     side = rt.stream("side")
     with sanitizer.sanitized() as san:
         x = torch.zeros(16)
+        side.wait_event(compute_ready(rt))  # x's zero fill is a kernel on the compute stream
         side.submit(lambda: x.add_(1), "write")
         side.synchronize()  # the host waited: its later ops (and what it submits later) follow
         assert float(x.sum()) == 16

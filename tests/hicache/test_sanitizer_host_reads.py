@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from hicache import sanitizer
+from hicache.load_pipeline import compute_ready
 from hicache.streams import EmulatedRuntime
 
 READS = {  # how the host reads a tensor: the first two are not dispatched at all
@@ -37,6 +38,7 @@ def side_result_read_on_host(rt, read, synchronize: bool) -> sanitizer.Sanitizer
     side = rt.stream("side")
     with sanitizer.sanitized() as san:
         y = torch.zeros(4)
+        side.wait_event(compute_ready(rt))  # y's zero fill is a kernel on the compute stream
         side.submit(lambda: y.add_(1), name="produce")
         done = rt.event()
         done.record(side)
