@@ -160,7 +160,8 @@ def fill_prefix(buffers, layers, plan: BatchPlan, seed: int, only: list[int] | N
 
 
 class RankEngine:
-    def __init__(self, model_cfg: ModelConfig, cfg: EngineConfig, rank: int, runtime: Runtime) -> None:
+    def __init__(self, model_cfg: ModelConfig, cfg: EngineConfig, rank: int, runtime: Runtime, transport=None) -> None:
+        """``transport``: the collectives' (:mod:`layersplit.engine.comm`); None: ``torch.distributed``."""
         # every stream op, record and wait also feeds the happens-before order (``RankResult.kv_order``)
         self.cfg, self.rank, self.rt = cfg, rank, HBRuntime(runtime)
         self.model = TinyDSA(model_cfg, cfg.weight_seed, runtime.device)
@@ -175,7 +176,7 @@ class RankEngine:
         self.unsafe = frozenset(cfg.unsafe_skip_edges)
         self.tracer = Tracer(rank, cfg.trace, self.rt)
         self.comm = CPComm(self.rt, rank, cfg.cp, self.tracer, self.unsafe & {"compute_wait", "record_stream"},
-                           channels=2 if cfg.schedule == "overlapped" else 1)
+                           channels=2 if cfg.schedule == "overlapped" else 1, transport=transport)
         self.compute = self.rt.compute_stream()
         self._released = {}  # scratch slot -> event recorded on compute after the slot's last read
         self._waits: list[tuple[str, Event, Event]] = []  # (name, start, end) timing events on compute
@@ -206,18 +207,22 @@ class RankEngine:
         everything = self.cfg.hicache_delay_s > 0  # the coherence test reloads every prefix
         return [b for b, r in enumerate(plan.requests) if r.prefix_len and (r.from_host or everything)]
 
-    def _prepare_host(self, plan: BatchPlan, host_reqs: list[int]) -> tuple[DSAHostPool, list[int]]:
-        """Host pool holding this rank's layers of the host-tier prefixes; device pages poisoned."""
+    def _prepare_host(self, plan: BatchPlan, host_reqs: list[int]) -> tuple[LayerwiseLoader, list[int], list[Event]]:
+        """The loader of this rank's layers of the host-tier prefixes (a host pool holding them), the
+        pages to reload, and the fences the reload follows: the device pages' poison fill."""
         host = DSAHostPool(self.spec, self.cfg.pool_pages, layers=self.pool.pool.layers)
         host.allocator.alloc(self.cfg.pool_pages)  # page ids mirror the device pool's
         with sanitizer.host_work():  # the host tier is written by the host
             fill_prefix(host, host.layers, plan, self.cfg.prefix_seed, only=host_reqs)
+        # made before the poison fill: its load stream waits for the compute work so far (the pools'
+        # zero fill), so the poison below is ordered by its own fence only (the poison_fence teeth)
+        loader = LayerwiseLoader(self.rt, self.pool.pool, host)
         pages = sorted({p for b in host_reqs for p in plan.pool_pages[b][: -(-plan.requests[b].prefix_len // PAGE_SIZE)]})
         page_ids = torch.tensor(pages, dtype=torch.int64, pin_memory=self.rt.pin_memory)  # host: no sync to build
         self.pool.pool.fill_pages(page_ids.to(self.rt.device, non_blocking=True), POISON)
         poisoned = self.rt.event()  # hazard: the load stream overwrites these pages after the poison
         poisoned.record(self.compute)
-        return host, pages, [] if "poison_fence" in self.unsafe else [poisoned]
+        return loader, pages, [] if "poison_fence" in self.unsafe else [poisoned]
 
     def _install_delays(self) -> None:
         """The runtime's delay hook: random stalls before host-tier copies (``hicache_delay_s``, the
@@ -340,7 +345,7 @@ class RankEngine:
         pos, req = plan.new_pos[loc], plan.new_req[loc]
         start, end = self.rt.event(enable_timing=True), self.rt.event(enable_timing=True)
         start.record(self.compute)  # timed from here on the compute stream: host-tier reloads included
-        load = LayerwiseLoader(self.rt, self.pool.pool, host[0]).start_loading(host[1], host[1], host[2]) if host else None
+        load = host[0].start_loading(host[1], host[1], host[2]) if host else None
         h = self.model.embed_tokens(plan.new_tokens[loc])
         bcast, state = self._issue_bcast(0, plan, load), {}
         for layer in range(self.spec.num_layers):
