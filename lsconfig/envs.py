@@ -118,9 +118,10 @@ CP_BACKENDS = ("auto", "nccl", "gloo")
 
 
 def cp_backend() -> str:
-    """``LAYERSPLIT_CP_BACKEND``: auto (default: NCCL on CUDA, gloo on CPU) | nccl | gloo. ``gloo`` on a
-    CUDA machine runs several CP ranks on one GPU (NCCL refuses two ranks per device): the GPU check
-    uses it to exercise the CP path's stream ordering with CUDA tensors on one GPU."""
+    """``LAYERSPLIT_CP_BACKEND``: auto (default: NCCL where CUDA has a GPU per rank, else gloo) | nccl |
+    gloo. ``gloo`` on a CUDA machine runs several CP ranks on one GPU (NCCL refuses two ranks per
+    device), with CUDA tensors; its collectives block the issuing host thread, so timings there are
+    host-serialized (``layersplit.engine.launcher.cp_backend`` resolves ``auto``)."""
     value = os.environ.get("LAYERSPLIT_CP_BACKEND", "auto").strip().lower()
     if value not in CP_BACKENDS:
         raise ValueError(f"LAYERSPLIT_CP_BACKEND: expected one of {CP_BACKENDS}, got {value!r}")

@@ -50,7 +50,8 @@ def _command_name(args: argparse.Namespace) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """Run one command; returns its exit status: 0 ok, 1 the check it ran failed, 2 bad input
-    (one line naming the flag or config field), 130 interrupted (Ctrl-C), 143 terminated (SIGTERM)."""
+    (one line naming the flag or config field), 3 incomplete (``gpu-check``: nothing failed, but a
+    part it exists to check did not run), 130 interrupted (Ctrl-C), 143 terminated (SIGTERM)."""
     parser = build_parser()
     try:
         args = parser.parse_args(argv)

@@ -26,6 +26,7 @@ from hicache.streams import get_runtime
 from layersplit.engine.batch_plan import Request
 from layersplit.plan.config import ModelConfig
 from layersplit.engine.engine import EngineConfig, RankEngine, RankResult
+from layersplit.engine.model import RowBlocks
 
 
 @dataclass
@@ -61,15 +62,18 @@ def _merge(name: str, results: list[RankResult]) -> CPResult:
     return CPResult(name, hidden, sorted(results, key=lambda r: r.rank))
 
 
-def _run_rank(model: ModelConfig, scenarios: list[Scenario], rank: int) -> list[RankResult]:
+def _run_rank(model: ModelConfig, scenarios: list[Scenario], rank: int, row_blocks: int = 1) -> list[RankResult]:
     """Every scenario on this rank; under ``LAYERSPLIT_SANITIZE=1`` each is sanitized (its result
-    carries the hazards found)."""
+    carries the hazards found). ``row_blocks``: the model's row-wise stages in that many blocks."""
     out = []
     for sc in scenarios:
         san, rt = sanitizer.enable_from_env(), None
         try:
             rt = get_runtime("cuda" if torch.cuda.is_available() else "emulated")
-            out.append(RankEngine(sc.model or model, sc.cfg, rank, rt).prefill(sc.requests).host())
+            engine = RankEngine(sc.model or model, sc.cfg, rank, rt)
+            if row_blocks > 1:
+                engine.model = RowBlocks(engine.model, row_blocks)
+            out.append(engine.prefill(sc.requests).host())
         finally:
             if rt is not None:
                 rt.close()
@@ -105,12 +109,19 @@ def _child_env() -> dict[str, str]:
     return os.environ | {"PYTHONPATH": root + (os.pathsep + path if path else "")}
 
 
-def cp_backend() -> str:
-    """The collective backend of the rank processes: ``LAYERSPLIT_CP_BACKEND``, else NCCL on CUDA, gloo on CPU."""
+def cp_backend(world: int) -> str:
+    """The collective backend of ``world`` rank processes: ``LAYERSPLIT_CP_BACKEND``, else NCCL where
+    CUDA has a GPU per rank, gloo otherwise (on CPU; and on fewer GPUs than ranks, which share them
+    round-robin: NCCL refuses two ranks on one device). An explicit ``nccl`` there is refused."""
     from lsconfig import envs
 
-    choice = envs.cp_backend()
-    return choice if choice != "auto" else "nccl" if torch.cuda.is_available() else "gloo"
+    choice, gpus = envs.cp_backend(), torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if choice == "nccl" and gpus < world:
+        raise ValueError(f"LAYERSPLIT_CP_BACKEND: nccl needs a GPU per rank ({world} ranks, {gpus} GPU(s) here); "
+                         "unset it (gloo is then chosen) or set gloo")
+    if choice != "auto":
+        return choice
+    return "nccl" if gpus >= world else "gloo"
 
 
 def _failure(rank: int, proc: subprocess.Popen, log: Path) -> RuntimeError:
@@ -159,6 +170,7 @@ def run_cp(model: ModelConfig, scenarios: list[Scenario], cp: int, timeout_s: fl
         from hicache.streams import BLIND_SANITIZER
 
         raise ValueError(BLIND_SANITIZER)
+    cp_backend(cp)  # an impossible backend refused here, in one line, before any rank starts
     port = _free_port()
     with tempfile.TemporaryDirectory(prefix="layersplit-cp-") as tmp:
         out = Path(tmp)
@@ -187,9 +199,11 @@ def run_cp(model: ModelConfig, scenarios: list[Scenario], cp: int, timeout_s: fl
     return [_merge(sc.name, [by_rank[r][i] for r in range(cp)]) for i, sc in enumerate(scenarios)]
 
 
-def run_reference(model: ModelConfig, scenario: Scenario) -> CPResult:
-    """The single-process reference: one rank, every layer in its pool, nothing communicated."""
+def run_reference(model: ModelConfig, scenario: Scenario, row_blocks: int = 1) -> CPResult:
+    """The single-process reference: one rank, every layer in its pool, nothing communicated.
+    ``row_blocks > 1``: its GEMMs over that many row blocks (:class:`RowBlocks`: what a different
+    row split alone changes on a device whose GEMMs are not batch-invariant)."""
     cfg = replace(scenario.cfg, cp=1, mode="redundant", hicache_delay_s=0.0, unsafe_skip_coherence=False)
     single = Scenario(scenario.name, scenario.requests, cfg, scenario.model)
-    return _merge(scenario.name, _run_rank(model, [single], 0))
+    return _merge(scenario.name, _run_rank(model, [single], 0, row_blocks))
 

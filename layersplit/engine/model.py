@@ -16,7 +16,7 @@ The indexer runs only on the config's indexer layers; the others reuse the last 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass
 
 import torch
 
@@ -121,3 +121,31 @@ class TinyDSA:
 
     def final_norm(self, h: torch.Tensor) -> torch.Tensor:
         return rms_norm(h)
+
+
+class RowBlocks:
+    """``model`` with its row-wise stages (projections, output projection, MLP) run over ``blocks``
+    row blocks and concatenated: the same math on other GEMM shapes. A GPU's GEMMs are not
+    batch-invariant (cuBLAS picks kernels by row count), so this changes a row's last bits the way
+    a CP rank multiplying only its own rows does; the GPU check measures that floor with it."""
+
+    def __init__(self, model: TinyDSA, blocks: int) -> None:
+        if blocks < 1:
+            raise ValueError(f"blocks: expected >= 1, got {blocks}")
+        self.model, self.blocks = model, blocks
+
+    def __getattr__(self, name: str):
+        return getattr(self.model, name)
+
+    def _split(self, *tensors: torch.Tensor) -> zip:
+        return zip(*(t.tensor_split(self.blocks) for t in tensors))
+
+    def project(self, layer: int, h: torch.Tensor, positions: torch.Tensor) -> Projections:
+        parts = [astuple(self.model.project(layer, hb, pb)) for hb, pb in self._split(h, positions)]
+        return Projections(*(torch.cat(field) for field in zip(*parts)))
+
+    def attention_out(self, layer: int, h: torch.Tensor, out_latent: torch.Tensor) -> torch.Tensor:
+        return torch.cat([self.model.attention_out(layer, hb, ob) for hb, ob in self._split(h, out_latent)])
+
+    def mlp(self, layer: int, h: torch.Tensor) -> torch.Tensor:
+        return torch.cat([self.model.mlp(layer, hb) for (hb,) in self._split(h)])

@@ -197,7 +197,7 @@ def prefill(model: str | ModelConfig = "tiny", *, cp: int = 2, mode: str = "laye
         tokens_per_s=new_tokens / result.seconds, kv_bytes_per_rank=[r.kv_bytes for r in result.ranks],
         bcast_bytes_per_layer=result.ranks[0].bcast_bytes if cp > 1 else {},
         max_abs_deviation_vs_reference=float((result.hidden - reference.hidden).abs().max()),
-        measured_on=f"cuda ({cp_backend()})" if torch.cuda.is_available() else "cpu (gloo, emulated streams)",
+        measured_on=f"cuda ({cp_backend(cp)})" if torch.cuda.is_available() else "cpu (gloo, emulated streams)",
         schedule=schedule, host_tier=host_tier, kernel_backend=backend, max_abs_deviation_vs_torch_engine=vs_torch,
         indexer_waits_for_kv_bcast=_kv_order_summary(result),
         bcast_wait_ms_per_rank=[round(r.bcast_wait_s * 1e3, 3) for r in result.ranks],

@@ -39,7 +39,7 @@ def main(argv: list[str]) -> int:
         model, scenarios = torch.load(job, weights_only=False)
         if torch.cuda.is_available():  # ranks share GPUs round-robin (one GPU: gloo, both ranks on it)
             torch.cuda.set_device(rank % torch.cuda.device_count())
-        dist.init_process_group(cp_backend(), init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+        dist.init_process_group(cp_backend(world), init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
         (out / f"rank{rank}.ready").touch()
         try:
             _write(result, {"results": _run_rank(model, scenarios, rank)})

@@ -1,118 +1,144 @@
-"""GPU check section ``stream_sanitizer``: the CP engine and the HiCache stress under a stream sanitizer.
+"""GPU check section ``stream_sanitizer``: the CP engine and the HiCache stress under a stream
+sanitizer, each clean with every edge and each reported with an edge removed (the teeth).
 
 * ``cuda`` mode: a child process started with ``TORCH_CUDA_SANITIZER=1`` (PyTorch's CUDA sanitizer,
   CSAN: it raises at the first kernel that touches a tensor without an ordering to the kernel that
-  last wrote or read it on another stream) runs
-  1. the HiCache stress on CUDA streams with every wait (no stalls);
-  2. the CP engine with **2 ranks over gloo on this one GPU** (``LAYERSPLIT_CP_BACKEND=gloo``, CUDA
-     tensors): the comm stream's collectives against the compute stream, which a single-rank run
-     never exercises, checked against the single-rank reference;
-  3. the same engine run with the comm stream's wait for compute removed: CSAN must report it
-     (otherwise the check proves nothing).
-* ``cpu-dry-run`` mode: the same three under this project's emulated-runtime sanitizer
+  last wrote or read it on another stream). CSAN sees only dispatcher ops: our Triton and vendor
+  kernels are registered custom ops whose schemas name what they write (``dsa_kernels.custom_ops``),
+  so the indexer's and sparse attention's reads are visible to it. The child runs
+  1. the HiCache stress on CUDA streams with every wait (no stalls), then with the reuse fence and
+     with the indexer wait removed;
+  2. the CP engine with **2 ranks over gloo on this one GPU** (CUDA tensors): the comm streams'
+     collectives against the compute stream, which a single-rank run never exercises, checked
+     against the single-rank reference within the device's measured tolerance;
+  3. the engine with each stream edge removed (``EngineConfig.unsafe_skip_edges``): the comm stream's
+     wait for compute; a scratch slot's release (with the issue-time wait, which also orders it); the
+     host-tier reload's wait for the poison fill. Each must be reported, or the check proves nothing.
+  CSAN stops a run at its first hazard, so a removed edge counts as reported when its run raises.
+* ``cpu-dry-run`` mode: the same runs under this project's emulated-runtime sanitizer
   (``LAYERSPLIT_SANITIZE=1``, :mod:`hicache.sanitizer`), in this process.
 
-Run as a module (``python -m layersplit.gpu_check.sanitize``) it is the child: one JSON object on stdout.
+The child is started in a process group of its own (:mod:`.children`): the watchdog ends it and its
+ranks. Run as a module (``python -m layersplit.gpu_check.sanitize``) it is the child: one JSON object
+on stdout.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 
 import torch
 
+STRESS_TEETH = ("fence", "indexer")  # waits of the HiCache load the stress drops, one run each
+ENGINE_TEETH = {  # name: edges removed (slot_release: the issue-time wait orders the slot too)
+    "compute_wait": frozenset({"compute_wait"}),
+    "slot_release": frozenset({"slot_release", "compute_wait"}),
+    "poison_fence": frozenset({"poison_fence"}),
+}
 
-def _scenario(context: int, unsafe: frozenset[str] = frozenset()):
-    from layersplit.plan.config import load_model
+
+def _scenario(context: int, unsafe: frozenset[str] = frozenset(), from_host: bool = False):
     from layersplit.engine.engine import EngineConfig
     from layersplit.engine.launcher import Scenario
     from layersplit.engine.requests import synthetic_requests
+    from layersplit.plan.config import load_model
 
     model = load_model("tiny")
     cfg = EngineConfig(mode="layersplit", cp=2, pool_pages=-(-context // 64), max_batch_tokens=context,
                        max_requests=1, unsafe_skip_edges=unsafe)
-    return model, Scenario("sanitized" + ("-unsafe" if unsafe else ""), synthetic_requests(1, context, 0.9, model.vocab_size, 0), cfg)
+    reqs = synthetic_requests(1, context, 0.9, model.vocab_size, 0, from_host=from_host)
+    return model, Scenario("sanitized" + ("-unsafe" if unsafe else ""), reqs, cfg)
 
 
-def _engine(context: int, unsafe: frozenset[str], timeout_s: float) -> dict:
+def _engine(context: int, unsafe: frozenset[str], timeout_s: float, tol: float, from_host: bool = False) -> dict:
     """cp=2 under whatever sanitizer the environment enables; a sanitizer error ends the run."""
     from layersplit.engine.launcher import cp_backend, run_cp, run_reference
+    from layersplit.gpu_check.agreement import rel_deviation
 
-    model, sc = _scenario(context, unsafe)
+    model, sc = _scenario(context, unsafe, from_host)
     try:
         res = run_cp(model, [sc], 2, timeout_s=timeout_s)[0]
     except RuntimeError as exc:  # CSAN raises inside a rank: the launcher reports its traceback
         text = str(exc)
         found = "CUDASanitizerErrors" in text or "unsynchronized" in text.lower()
-        return {"hazards": 1 if found else None, "error": text[-1500:], "backend": cp_backend()}
-    ref = run_reference(model, sc)
-    rel = float((res.hidden - ref.hidden).abs().max() / ref.hidden.abs().max())
-    hazards = res.ranks[0].hazards
-    return {"hazards": 0 if hazards is None else len({h for r in res.ranks for h in r.hazards}),
-            "max_rel_deviation": rel, "backend": cp_backend()}
+        return {"hazards": 1 if found else None, "error": text[-1500:], "backend": cp_backend(2)}
+    rel = rel_deviation(res.hidden, run_reference(model, sc).hidden)
+    hazards = {h for r in res.ranks for h in (r.hazards or [])}
+    return {"hazards": None if res.ranks[0].hazards is None else len(hazards), "hazard_list": sorted(hazards)[:5],
+            "max_rel_deviation": rel, "tol": tol, "backend": cp_backend(2)}
 
 
-def _stress(loads: int, on_cuda: bool) -> dict:
+def _stress(loads: int, on_cuda: bool, unsafe: frozenset[str] = frozenset()) -> dict:
     from hicache.stress import StressConfig, run_stress
     from layersplit.plan.config import cache_spec, load_model
 
     model = load_model("tiny")
     cfg = StressConfig(layer_loads=loads, runtime="cuda" if on_cuda else "emulated", sanitize=not on_cuda,
                        max_delay_s=0.0, max_forward_delay_s=0.0, index_heads=model.index_n_heads,
-                       attn_heads=model.num_heads, topk=model.index_topk)
+                       attn_heads=model.num_heads, topk=model.index_topk, unsafe_skip=unsafe)
     try:
         r = run_stress(cache_spec(model), cfg)
     except Exception as exc:  # noqa: BLE001 - CSAN raises CUDASanitizerErrors at the hazard
         return {"hazards": 1, "error": f"{type(exc).__name__}: {str(exc)[-1500:]}"}
-    return {"hazards": r.sanitizer_hazards or 0, "corrupted_outputs": r.corrupted_outputs,
-            "outputs_checked": r.outputs_checked}
+    return {"hazards": r.sanitizer_hazards or 0, "hazard_list": r.sanitizer_hazard_list[:5],
+            "corrupted_outputs": r.corrupted_outputs, "outputs_checked": r.outputs_checked}
 
 
-def run_checks(context: int, loads: int, timeout_s: float) -> dict:
-    """The three checks in this process (CSAN when ``TORCH_CUDA_SANITIZER=1`` set it up at import)."""
+def run_checks(context: int, loads: int, timeout_s: float, tol: float) -> dict:
+    """Every clean run and every tooth in this process (CSAN when ``TORCH_CUDA_SANITIZER=1`` set it up at
+    import; on the CPU the emulated-runtime sanitizer, also in the rank processes)."""
     on_cuda = torch.cuda.is_available()
-    # two ranks on this one GPU (CUDA) / the emulated-runtime sanitizer in the rank processes (CPU);
-    # set for these runs only: the variable is inherited by every process started later
     key, value = ("LAYERSPLIT_CP_BACKEND", "gloo") if on_cuda else ("LAYERSPLIT_SANITIZE", "1")
     previous = os.environ.get(key)
-    os.environ[key] = value
+    os.environ[key] = value  # set for these runs only: every process started later inherits it
     try:
         out = {"sanitizer": "torch CUDA sanitizer (CSAN)" if on_cuda else "hicache.sanitizer (emulated streams)",
-               "stress": _stress(loads, on_cuda), "engine_cp2": _engine(context, frozenset(), timeout_s),
-               "engine_cp2_without_compute_wait": _engine(context, frozenset({"compute_wait"}), timeout_s)}
+               "stress": _stress(loads, on_cuda), "engine_cp2": _engine(context, frozenset(), timeout_s, tol),
+               "stress_teeth": {w: _stress(loads // 4, on_cuda, frozenset({w})) for w in STRESS_TEETH},
+               "engine_teeth": {name: _engine(context, edges, timeout_s, tol, from_host=name == "poison_fence")
+                                for name, edges in ENGINE_TEETH.items()}}
     finally:
         if previous is None:
             os.environ.pop(key, None)
         else:
             os.environ[key] = previous
-    out["passed"] = (out["stress"]["hazards"] == 0 and out["engine_cp2"]["hazards"] == 0
-                     and out["engine_cp2"].get("max_rel_deviation", 1.0) <= 1e-4
-                     and bool(out["engine_cp2_without_compute_wait"]["hazards"]))
-    return out
+    return out | verdict(out)
 
 
-def section(on_cuda: bool, context: int, loads: int, timeout_s: float) -> dict:
+def verdict(out: dict) -> dict:
+    """Clean runs clean and within the tolerance; every tooth reported."""
+    engine = out["engine_cp2"]
+    teeth = {f"stress:{w}": bool(r["hazards"]) for w, r in out["stress_teeth"].items()}
+    teeth |= {f"engine:{n}": bool(r["hazards"]) for n, r in out["engine_teeth"].items()}
+    clean = out["stress"]["hazards"] == 0 and engine["hazards"] == 0 and engine.get("max_rel_deviation", 1.0) <= engine.get("tol", 0.0)
+    return {"teeth_reported": teeth, "passed": clean and all(teeth.values())}
+
+
+def section(on_cuda: bool, context: int, loads: int, timeout_s: float, tol: float) -> dict:
     """CUDA: the checks in a child under ``TORCH_CUDA_SANITIZER=1`` (CSAN must be on before CUDA
     starts); CPU: in this process under the emulated-runtime sanitizer."""
+    from layersplit.gpu_check import children
+
     if not on_cuda:
-        result = run_checks(context, loads, timeout_s)
+        result = run_checks(context, loads, timeout_s, tol)
     else:
         env = os.environ | {"TORCH_CUDA_SANITIZER": "1"}
-        cmd = [sys.executable, "-m", "layersplit.gpu_check.sanitize", str(context), str(loads), str(timeout_s)]
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s * 3 + 60)
+        cmd = [sys.executable, "-m", "layersplit.gpu_check.sanitize", str(context), str(loads), str(timeout_s), str(tol)]
+        proc = children.run(cmd, env, timeout_s * 8 + 60)
         if proc.returncode != 0:
             raise RuntimeError(f"sanitized child exited {proc.returncode}: {proc.stderr[-2000:]}")
         result = json.loads(proc.stdout.strip().splitlines()[-1])
-    e, u, s = result["engine_cp2"], result["engine_cp2_without_compute_wait"], result["stress"]
-    result["summary"] = (f"{result['sanitizer']}: stress {s['hazards']} hazards; CP engine cp=2 "
-                         f"({e['backend']}) {e['hazards']} hazards; without the comm stream's wait for "
-                         f"compute {u['hazards']} (must be > 0)")
+    e, s = result["engine_cp2"], result["stress"]
+    missed = [name for name, hit in result["teeth_reported"].items() if not hit]
+    result["summary"] = (f"{result['sanitizer']}: stress {s['hazards']} hazards; CP engine cp=2 ({e['backend']}) "
+                         f"{e['hazards']} hazards; {len(result['teeth_reported']) - len(missed)} of "
+                         f"{len(result['teeth_reported'])} removed edges reported"
+                         + (f" (missed: {', '.join(missed)})" if missed else ""))
     return result
 
 
 if __name__ == "__main__":
-    context_arg, loads_arg, timeout_arg = int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3])
-    print(json.dumps(run_checks(context_arg, loads_arg, timeout_arg)))
+    context_arg, loads_arg, timeout_arg, tol_arg = int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3]), float(sys.argv[4])
+    print(json.dumps(run_checks(context_arg, loads_arg, timeout_arg, tol_arg)))
