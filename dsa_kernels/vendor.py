@@ -190,24 +190,29 @@ def flash_mla_lse_base(version: str, device: torch.device) -> float | None:
     return None
 
 
+def sparse_mla_route(q, kv_cache, indices, kv_lora_rank: int) -> str | None:
+    """Why ``sparse_mla_prefill`` would run the Triton kernel for this call, or None: FlashMLA runs it."""
+    found = _flash_mla()
+    if found is None:
+        return f"flash_mla_sparse_fwd not importable from {' or '.join(FLASH_MLA_MODULES)}"
+    reason = flash_mla_unsupported(q, kv_cache, indices, kv_lora_rank)
+    if reason is None and flash_mla_lse_base(found[1], q.device) is None:
+        reason = f"lse base of sgl_kernel {found[1]} not established (probe matched neither e nor 2)"
+    return reason
+
+
 def sparse_mla_prefill(q, kv_cache, indices, sm_scale: float, kv_lora_rank: int):
     """FlashMLA where the gate passes, else the Triton kernel; ``(out [T, H, L], lse [T, H])`` in our
     convention either way (see the module docstring)."""
-    found = _flash_mla()
-    reason = f"flash_mla_sparse_fwd not importable from {' or '.join(FLASH_MLA_MODULES)}" if found is None else \
-        flash_mla_unsupported(q, kv_cache, indices, kv_lora_rank)
-    base = None
-    if reason is None:
-        base = flash_mla_lse_base(found[1], q.device)
-        if base is None:
-            reason = f"lse base of sgl_kernel {found[1]} not established (probe matched neither e nor 2)"
+    reason = sparse_mla_route(q, kv_cache, indices, kv_lora_rank)
     if reason is not None:
         from dsa_kernels.triton_ops.sparse_mla import sparse_mla_prefill as triton_sparse_mla
 
         _fallback_once("sparse_mla_prefill", reason)
         return triton_sparse_mla(q, kv_cache, indices, sm_scale, kv_lora_rank)
-    out, lse = _flash_mla_call(found[0], q, kv_cache, indices, sm_scale, kv_lora_rank)
-    lse = lse * math.log(base)  # to natural log
+    fn, version = _flash_mla()
+    out, lse = _flash_mla_call(fn, q, kv_cache, indices, sm_scale, kv_lora_rank)
+    lse = lse * math.log(flash_mla_lse_base(version, q.device))  # to natural log (the probe is cached)
     return out, torch.where(torch.isposinf(lse), float("-inf"), lse)  # empty row: +inf there, -inf here
 
 
