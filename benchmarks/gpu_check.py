@@ -1,4 +1,4 @@
-"""The one prepared GPU check: ``python benchmarks/gpu_check.py --out DIR [--dry-run] [--budget-s 450]``.
+"""The one prepared GPU check: ``python benchmarks/gpu_check.py --out DIR [--dry-run] [--budget-s 480]``.
 
 Thin entry point; the sections live in :mod:`layersplit.gpu_check.run` (also ``layersplit gpu-check``).
 """

@@ -205,12 +205,10 @@ class Sanitizer:
     def stream_agent(self, stream) -> int:
         """This sanitizer's agent for ``stream`` (kept here, not on the stream: a later sanitizer
         numbers its agents afresh). Every emulated compute stream is :meth:`compute_agent`."""
-        from hicache.streams import InlineStream  # here: hicache.streams imports this module
-
         with self._lock:
             agent = self._agents.get(stream)
             if agent is None:
-                inline = isinstance(stream, InlineStream)
+                inline = getattr(stream, "is_compute", False)  # streams.InlineStream (which imports this module)
                 agent = self._agents[stream] = self.compute_agent() if inline else self._new_agent(f"stream {stream.name}")
                 self._streams.setdefault(agent, weakref.ref(stream))
             return agent

@@ -192,6 +192,8 @@ class InlineStream:
     compute stream waited for orders the compute stream only, as on a GPU, where the host runs ahead.
     """
 
+    is_compute = True  # the sanitizer books every compute stream (and device tensor creation) as one agent
+
     def __init__(self, name: str, runtime: "EmulatedRuntime") -> None:
         self.name = name
         self._runtime = runtime

@@ -33,7 +33,7 @@ import torch
 
 from dsa_kernels import dispatch, indexer_scores, positions_to_slots, sparse_mla_prefill, topk_indices
 from dsa_kernels.layout import PAGE_SIZE
-from hicache import sanitizer
+from hicache import csan, sanitizer
 from hicache.allocator import OutOfPages
 from hicache.device_pool import DSADevicePool
 from hicache.host_pool import DSAHostPool
@@ -70,6 +70,10 @@ class StressConfig:
     attn_heads: int = 4
     topk: int = 64
     pipeline_depth: int = 2  # batches in flight before the oldest is checked
+    # each load also waits for the previous batch's forward: for CUDA's sanitizer, which tracks a tensor
+    # by its pointer, so a load into pages no forward reads still conflicts with a forward reading other
+    # pages of the same layer buffer. The reuse fence stays the edge under test ('fence' drops this too)
+    fence_previous_forward: bool = False
     sanitize: bool = False  # run under the stream-ordering sanitizer (hicache.sanitizer)
 
 
@@ -245,6 +249,7 @@ class _Harness:
         self.host = DSAHostPool(spec, batch_pages * (cfg.pipeline_depth + 2))
         self.loader = LayerwiseLoader(self.rt, self.device, self.host, cfg.unsafe_skip)
         self.fwd = self.rt.stream("forward")
+        self._last_done = None  # the latest batch's forward-done event (``fence_previous_forward``)
         # hazard: the forward reads the padding page, which only the compute stream's zero fill wrote
         self.fwd.wait_event(compute_ready(self.rt))
         self.sm_scale = 1.0 / math.sqrt(spec.kv_lora_rank + spec.rope_dim)
@@ -308,6 +313,8 @@ class _Harness:
         """Queue the batch's load and forward; ``batch.fwd`` receives the forward's results."""
         dev_pages = self.device.allocator.alloc(len(host_pages))
         fences = self.device.allocator.fences(dev_pages)
+        if self.cfg.fence_previous_forward and self._last_done is not None:
+            fences = [*fences, self._last_done]  # whole-buffer ordering (see StressConfig)
         load = self.loader.start_loading(host_pages, dev_pages, fences, poison=POISON)
         self.host.allocator.free(host_pages)  # the load holds its own reference until it completes
         remap = dict(zip(host_pages, dev_pages))
@@ -330,7 +337,7 @@ class _Harness:
         self._queue_forward(fwd, load)
         done = self.rt.event()
         done.record(self.fwd)
-        fwd.done = done
+        fwd.done = self._last_done = done
         self.device.allocator.free(dev_pages, fence=done)  # reuse waits for this batch's forward
         return batch
 
@@ -421,7 +428,13 @@ class _Harness:
 
 def run_stress(spec: DSACacheSpec, cfg: StressConfig, progress=None) -> StressReport:
     """Run the harness; see the module docstring. ``progress(n)`` is called with layers loaded.
-    ``cfg.sanitize``: under the stream-ordering sanitizer; the report lists what it found."""
+    ``cfg.sanitize``: under the stream-ordering sanitizer; the report lists what it found. Under CUDA's
+    sanitizer (``TORCH_CUDA_SANITIZER=1``) the report lists every hazard CSAN found (:mod:`hicache.csan`)."""
+    if not cfg.sanitize and csan.active():
+        with csan.collecting() as found:
+            report = _Harness(spec, cfg).run(progress)
+        report.sanitizer_hazards, report.sanitizer_hazard_list = len(found), list(found)
+        return report
     if not cfg.sanitize:
         return _Harness(spec, cfg).run(progress)
     with sanitizer.sanitized() as san:

@@ -12,8 +12,8 @@ def add_arguments(p: argparse.ArgumentParser, int_at_least) -> None:
     p.add_argument("--dry-run", action="store_true",
                    help="tiny shapes on the CPU (Triton interpreter, emulated streams), automatic without CUDA; "
                         "next to a GPU set TRITON_INTERPRET=1 at launch to include Triton")
-    p.add_argument("--budget-s", type=int_at_least(1), default=450,  # gpu_check.BUDGET_S (not imported: torch)
-                   help="seconds for the whole check; sections that no longer fit are skipped (default 450)")
+    p.add_argument("--budget-s", type=int_at_least(1), default=480,  # gpu_check.BUDGET_S (not imported: torch)
+                   help="seconds for the whole check; sections that no longer fit are skipped (default 480)")
     p.add_argument("--sections", type=_sections, default=None, metavar="A,B",
                    help=f"run only these sections (environment always runs), e.g. a rerun of what failed: "
                         f"{', '.join(SECTION_NAMES)}")

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from hicache import sanitizer
+from hicache import csan, sanitizer
 from hicache.streams import get_runtime
 from layersplit.engine.batch_plan import Request
 from layersplit.plan.config import ModelConfig
@@ -64,24 +64,28 @@ def _merge(name: str, results: list[RankResult]) -> CPResult:
 
 def _run_rank(model: ModelConfig, scenarios: list[Scenario], rank: int, row_blocks: int = 1) -> list[RankResult]:
     """Every scenario on this rank; under ``LAYERSPLIT_SANITIZE=1`` each is sanitized (its result
-    carries the hazards found). ``row_blocks``: the model's row-wise stages in that many blocks."""
+    carries the hazards found), and under CUDA's sanitizer (``TORCH_CUDA_SANITIZER=1``) each records
+    every hazard CSAN finds (:mod:`hicache.csan`). ``row_blocks``: the model's row-wise stages in that many blocks."""
     out = []
     for sc in scenarios:
         san, rt = sanitizer.enable_from_env(), None
-        try:
-            rt = get_runtime("cuda" if torch.cuda.is_available() else "emulated")
-            engine = RankEngine(sc.model or model, sc.cfg, rank, rt)
-            if row_blocks > 1:
-                engine.model = RowBlocks(engine.model, row_blocks)
-            out.append(engine.prefill(sc.requests).host())
-        finally:
-            if rt is not None:
-                rt.close()
-            if san is not None:
-                sanitizer.disable()
+        with csan.collecting() if csan.active() else contextlib.nullcontext() as found:  # CUDA: CSAN's hazards
+            try:
+                rt = get_runtime("cuda" if torch.cuda.is_available() else "emulated")
+                engine = RankEngine(sc.model or model, sc.cfg, rank, rt)
+                if row_blocks > 1:
+                    engine.model = RowBlocks(engine.model, row_blocks)
+                out.append(engine.prefill(sc.requests).host())
+            finally:
+                if rt is not None:
+                    rt.close()
+                if san is not None:
+                    sanitizer.disable()
         if san is not None:
             out[-1].hazards = [str(h) for h in san.hazards]
             out[-1].hazard_kinds = san.by_kind()
+        elif found is not None:
+            out[-1].hazards = list(found)
     return out
 
 

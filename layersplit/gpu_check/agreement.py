@@ -6,8 +6,8 @@ cuBLAS picks kernels by row count, a row's fp32 projection can change in its las
 bf16 / e4m3 rounding of a key then flips a top-k set, and the hidden states move by ~1e-2 of
 their scale with nothing wrong (emulated on a CPU, every projection x (1 + 2^-24 N(0, 1)): 3.9e-5,
 1.1e-2, 5.4e-2 over 3 seeds). So the bound is measured where it is used: the **floor** is how far
-the reference moves from itself when only its row split changes (:class:`RowBlocks` over
-``FLOOR_BLOCKS`` blocks, the largest deviation of them), and the CP run must stay within
+the reference moves from itself when it runs again and when only its row split changes
+(:class:`RowBlocks` over ``FLOOR_BLOCKS`` blocks, the largest deviation of them), and the CP run must stay within
 ``FLOOR_FACTOR`` x that floor, never below the CPU's 1e-4. A real CP defect (a stale or misplaced
 broadcast, a missed wait) moves the hidden states by their own scale, far above any floor a row
 split produces, and NaN poison never passes.
@@ -18,7 +18,9 @@ from __future__ import annotations
 import torch
 
 CPU_TOL = 1e-4  # fp32 noise where the GEMMs are batch-invariant (the CP engine tests' tolerance)
-FLOOR_BLOCKS = (2, 3, 4, 5, 7)  # row splits of the reference: five chances to meet a flipped top-k
+# row splits of the reference, 1 = a plain rerun (FlashInfer's top-k breaks exact ties in thread order,
+# so even a rerun may flip one): six chances to meet a flipped top-k
+FLOOR_BLOCKS = (1, 2, 3, 4, 5, 7)
 FLOOR_FACTOR = 10.0  # flips differ in size (1.1e-2 vs 5.4e-2 above): a CP flip must fit under the floor's
 
 

@@ -86,11 +86,9 @@ def test_teeth_stress_without_the_init_wait():
 
 
 def _bench_module():
-    path = Path(__file__).resolve().parents[2] / "benchmarks" / "hicache_overlap.py"
-    spec = importlib.util.spec_from_file_location("hicache_overlap_bench", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    from layersplit.gpu_check.run import _overlap_bench  # benchmarks/hicache_overlap.py, loaded from the checkout
+
+    return _overlap_bench()
 
 
 EDGES = {  # id: (the loader's init wait, the benchmark forward's wait)

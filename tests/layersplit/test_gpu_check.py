@@ -73,7 +73,7 @@ def test_dry_run_every_section_ok(dry_run):
     assert 0 <= overlap["overlapped"]["exposed_stall_share_in_waits"] and "legacy" in overlap["summary"]
     assert keys["differing_bytes"] == 0 and keys["passed"]
     san = report["sections"]["stream_sanitizer"]["result"]
-    assert san["stress"]["hazards"] == 0 and san["engine_cp2"]["hazards"] == 0
+    assert san["stress"]["hazards"] == 0 and san["engine_cp2"]["hazards"] == 0 and san["engine_cp2_host"]["hazards"] == 0
     assert san["teeth_reported"] == {"stress:fence": True, "stress:indexer": True, "engine:compute_wait": True,
                                      "engine:slot_release": True, "engine:poison_fence": True}  # the check has teeth
     env = report["sections"]["environment"]["result"]
