@@ -7,6 +7,11 @@ A process that dies stops renewing, so the registry still shows it serving — *
 expires (``expire``, ``lease_s`` after the crash). Watchers (decode) hear every change: a rank that
 registers again (resume the abort re-sends), a lease that expired (suspect the rank; fence it if it
 stays down). ``revoke`` records a fenced incarnation: that rank may only come back as a newer one.
+
+It also numbers the decode worker's **lives**: ``register_decode`` issues each decode process (a fresh one
+as well as a restart) a life strictly greater than any issued before. The number lives here, not in the
+process, so a process the OS starts anew after a crash cannot reuse its predecessor's life: prefill and
+the new memory registration refuse what the old life left in flight.
 """
 
 from __future__ import annotations
@@ -19,11 +24,26 @@ class BootstrapRegistry:
         self._serving: list[int | None] = [None] * num_ranks
         self.revoked: list[int] = [-1] * num_ranks  # per rank: the highest fenced incarnation
         self._watchers: list[Callable[..., None]] = []
+        self._decode_lives: dict[str, int] = {}  # decode worker -> the newest life issued
 
     def watch(self, fn: Callable[..., None]) -> None:
         """Call ``fn(rank, incarnation)`` on every registration and ``fn(rank, None, expired)`` on every
         expiry (``expired``: the incarnation whose lease ran out)."""
         self._watchers.append(fn)
+
+    def unwatch(self, fn: Callable[..., None]) -> None:
+        """A watcher's process died: it hears nothing more."""
+        self._watchers.remove(fn)
+
+    def register_decode(self, worker: str = "decode") -> int:
+        """A decode process of ``worker`` starts: its life, above every life issued to ``worker`` before."""
+        life = self._decode_lives.get(worker, -1) + 1
+        self._decode_lives[worker] = life
+        return life
+
+    def decode_life(self, worker: str = "decode") -> int | None:
+        """The newest life issued to ``worker`` (None: none yet)."""
+        return self._decode_lives.get(worker)
 
     def register(self, rank: int, incarnation: int) -> None:
         assert incarnation > self.revoked[rank], f"rank {rank}: incarnation {incarnation} was fenced"

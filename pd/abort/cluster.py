@@ -1,7 +1,8 @@
 """The simulated PD cluster the abort stress drives: one decode worker and the prefill CP ranks of a
 LayerSplit topology, wired through the faulty control channel, plus the router (retries) and the
 injected faults — client cancels (some delivered twice), prefill restarts, dead ranks, partitions of
-a rank's control link, long prefill outages (a model reload), decode restarts, misaddressed replies and
+a rank's control link, long prefill outages (a model reload), decode restarts (in place, or a crash
+after which a fresh decode process takes over the same registry and pages), misaddressed replies and
 false suspicions (a live rank's lease expires: its heartbeat is starved or cut from the bootstrap server)."""
 
 from __future__ import annotations
@@ -38,9 +39,8 @@ class PDCluster:
         self.registry = BootstrapRegistry(len(cfg.topology.ranks))
         self.rng = random.Random(root.getrandbits(64))
         self.fault_rng = random.Random(root.getrandbits(64))
-        decode_cfg = replace(cfg.decode, legacy_immediate_release=cfg.legacy_immediate_release)
-        self.decode = DecodeNode(self.loop, random.Random(root.getrandbits(64)), decode_cfg,
-                                 self._decode_sends, cfg.topology, self.registry, self._finished, self._fence)
+        self.decode = self._new_decode(random.Random(root.getrandbits(64)))
+        self.past_decodes: list[DecodeNode] = []  # decode processes that crashed (their counts stay reported)
         self.channel.register("decode", self._decode_receives)
         prefill_cfg = replace(cfg.prefill, compute_seed=cfg.seed)
         self.prefills: list[PrefillNode] = []
@@ -60,8 +60,14 @@ class PDCluster:
         self.latest: dict[int, DecodeRequest] = {}  # rid -> its latest incarnation (what a client cancels)
         self.partitioned: set[int] = set()  # ranks whose control link is cut
         self.stats = dict.fromkeys(("partition_dropped", "misaddressed_injected", "false_late_rejections",
-                                    "leases_lost", "revoked_exits"), 0)
+                                    "leases_lost", "revoked_exits", "fresh_decodes"), 0)
         self.watch = OutageWatch(self)
+
+    def _new_decode(self, rng: random.Random) -> DecodeNode:
+        """A decode process: its life is the registry's next (``DecodeNode`` registers it)."""
+        decode_cfg = replace(self.cfg.decode, legacy_immediate_release=self.cfg.legacy_immediate_release)
+        return DecodeNode(self.loop, rng, decode_cfg, self._decode_sends, self.cfg.topology, self.registry,
+                          self._finished, self._fence)
 
     # wiring (methods, not closures: the model checker copies a whole cluster) -------------------------
     def _decode_sends(self, rank: int, msg: object) -> None:
@@ -147,6 +153,18 @@ class PDCluster:
         self.registry.expire(rank, node.incarnation)
         self.loop.after(seconds, self.renew, rank, node.incarnation)
 
+    def fresh_decode(self) -> None:
+        """The decode process crashes and the OS starts a fresh one — a new ``DecodeNode``, not a
+        ``restart``: it takes over the same registry and pages (the same memory, registered anew), and
+        its life is the registry's, so what the dead life left in flight (writes, replies) is refused.
+        The dead process's timers die with it; its lost requests are retried by the router."""
+        old = self.decode
+        old.crash()
+        self.loop.drop_owned((old, old.health))
+        self.past_decodes.append(old)
+        self.decode = self._new_decode(random.Random(old.rng.getrandbits(64)))  # no other stream moves
+        self.stats["fresh_decodes"] += 1
+
     def renew(self, rank: int, incarnation: int) -> None:
         """``incarnation``'s heartbeat reaches the bootstrap server again. Fenced meanwhile: the server
         answers *revoked* and the process exits; its supervisor starts a new incarnation (the real pair does
@@ -175,7 +193,9 @@ class PDCluster:
             self.loop.after(at, self.prefills[rank].crash)
             self.loop.after(at + seconds, self.prefills[rank].restart)
         for at in self.cfg.restart_decode:
-            self.loop.after(at, self.decode.restart)
+            self.loop.after(at, self._restart_decode)
+        for at in self.cfg.fresh_decode:
+            self.loop.after(at, self.fresh_decode)
         for rank, at, seconds in self.cfg.lease_loss:
             self.loop.after(at, self.lose_lease, rank, seconds)
         self.watch.schedule()
@@ -183,6 +203,9 @@ class PDCluster:
             for node in self.prefills:
                 if node.peer not in special:
                     self._schedule_restarts(node, until)
+
+    def _restart_decode(self) -> None:
+        self.decode.restart()  # whichever decode process serves then
 
     def _schedule_restarts(self, node: PrefillNode, until: float) -> None:
         t = self.fault_rng.expovariate(1.0 / self.cfg.restart_mean_s)

@@ -21,8 +21,10 @@ expired and that stayed down ``fence_after_s`` is declared dead; decode tears do
 (the transfer engine refuses its writes from then on) and only then releases what waited on it; with
 ``fence_unreachable_s``, so is a rank that holds its lease but has not acknowledged an abort that long
 (a cut control link).
-**Decode life**: a restart (``restart``) loses every request and re-registers the memory, so the old
-life's writes are refused; every message carries the life.
+**Decode life**: every decode process — constructed fresh (the OS started it after a crash) or
+restarted in place (``restart``) — takes its life from the bootstrap registry (``register_decode``), so
+it is above every life before, even one whose process died. A new life loses every request and
+registers the memory anew, so the old life's writes are refused; every message carries the life.
 
 ``legacy_immediate_release``, ``unsafe_free_at_bound`` and ``unsafe_terminal_quarantine`` are UNSAFE
 switches that exist to show the races and the leak (see also ``pd.abort.guards``).
@@ -50,15 +52,18 @@ log = logging.getLogger(__name__)
 
 class DecodeNode:
     """One decode worker talking to the prefill ranks of ``topology`` through ``send(rank, msg)``;
-    ``fence_writer(rank, incarnation)`` tears down a dead rank's registration (refuses its writes)."""
+    ``fence_writer(rank, incarnation)`` tears down a dead rank's registration (refuses its writes).
+    ``life``: the one ``registry`` already issued this process (a real process registers before it
+    builds its memory); None: register now."""
 
     def __init__(self, loop: EventLoop, rng: random.Random, cfg: DecodeConfig, send: Callable[[int, object], None],
                  topology: PrefillTopology, registry: BootstrapRegistry,
                  on_finish: Callable[[DecodeRequest], None],
-                 fence_writer: Callable[[int, int], None] | None = None) -> None:
+                 fence_writer: Callable[[int, int], None] | None = None, life: int | None = None) -> None:
         self.loop, self.rng, self.cfg, self.send = loop, rng, cfg, send
         self.topology, self.registry, self.on_finish, self.fence_writer = topology, registry, on_finish, fence_writer
-        self.life = 0
+        self.life = registry.register_decode() if life is None else life
+        assert self.life == registry.decode_life(), f"life {self.life}: not the registry's newest"
         self.heard = [0] * len(topology.ranks)  # per rank: messages delivered from it (the link works)
         self.fenced = [-1] * len(topology.ranks)  # per rank: the highest fenced incarnation
         self.fences: list[tuple[int, int, float]] = []  # (rank, incarnation, time)
@@ -89,9 +94,21 @@ class DecodeNode:
         the router retries it), the memory is registered anew (the old life's writes are refused where
         they land) and epochs restart at 0 (prefill resets its floor for the new life)."""
         lost = [r for r in self.reqs.values() if r.state != FAILED]
-        self.life += 1
+        self.life = self.registry.register_decode()
         self.stats["decode_restarts"] += 1
         self._new_life()
+        self._lose(lost)
+
+    def crash(self) -> None:
+        """The decode process dies for good (a fresh DecodeNode takes over): it hears the registry no
+        more and every request is lost, reported failed so the router retries it. Its pending timers
+        die with it: the caller drops them from the loop."""
+        lost = [r for r in self.reqs.values() if r.state != FAILED]
+        self.registry.unwatch(self.health.changed)
+        self.reqs, self.queue = {}, deque()
+        self._lose(lost)
+
+    def _lose(self, lost: list[DecodeRequest]) -> None:
         for req in lost:
             req.state, req.abort_reason = FAILED, "decode_restart"
             self.on_finish(req)

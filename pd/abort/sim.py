@@ -30,6 +30,15 @@ class EventLoop:
             self.now, _, fn, args = pop(queue)
             fn(*args)
 
+    def drop_owned(self, owners: tuple) -> int:
+        """Drop every pending event whose function is a method of one of ``owners`` (a process that died:
+        its timers die with it); returns how many."""
+        kept = [e for e in self._queue if not any(getattr(e[2], "__self__", None) is o for o in owners)]
+        dropped = len(self._queue) - len(kept)
+        self._queue[:] = kept  # in place: ``run`` holds the list (it may be running the event that calls this)
+        heapq.heapify(self._queue)
+        return dropped
+
     @property
     def pending(self) -> int:
         return len(self._queue)

@@ -14,6 +14,7 @@ fenced prefill process lands, and no TransferRequest decode still waits on is re
 from __future__ import annotations
 
 import math
+from collections import Counter
 
 from pd.abort.cluster import PDCluster
 from pd.abort.stress_config import PDStressConfig  # noqa: F401 - this module's API (configs come from here)
@@ -37,35 +38,41 @@ def run_pd_stress(cfg: PDStressConfig) -> dict:
 
 def _report(cfg: PDStressConfig, cluster: PDCluster) -> dict:
     d, prefills = cluster.decode, cluster.prefills
+    lives = [*cluster.past_decodes, d]  # every decode process: what a crashed one counted still counts
+    stats = Counter()
+    for node in lives:
+        stats.update(node.stats)
     return {
         "requests": cfg.requests, "seed": cfg.seed, "legacy_immediate_release": cfg.legacy_immediate_release,
         "prefill_cp": len(prefills), "layers": cfg.topology.num_layers,
         "layers_by_rank": [list(layers) for layers in cfg.topology.layers_by_rank],
         "rooms": cluster.rooms, "retries": cluster.retries, "outcomes": dict(cluster.outcomes),
-        **{k: d.stats[k] for k in ("success", "aborts", "aborts_ignored", "released_at_once", "abort_sends",
-                                   "abort_resends", "acks", "acks_from_restarted_rank", "transfer_resends")},
-        "aborts_by_reason": dict(sorted(d.abort_reasons.items())),
-        "stale_acks_ignored": d.stats["stale_acks"], "late_messages_ignored": d.stats["late_messages"],
-        "abort_to_release_s": percentiles(d.release_latencies),
+        **{k: stats[k] for k in ("success", "aborts", "aborts_ignored", "released_at_once", "abort_sends",
+                                 "abort_resends", "acks", "acks_from_restarted_rank", "transfer_resends")},
+        "aborts_by_reason": dict(sorted(sum((node.abort_reasons for node in lives), Counter()).items())),
+        "stale_acks_ignored": stats["stale_acks"], "late_messages_ignored": stats["late_messages"],
+        "abort_to_release_s": percentiles([x for node in lives for x in node.release_latencies]),
         **{f"prefill_{k}": sum(p.stats[k] for p in prefills)
            for k in ("rejected_late", "wrong_incarnation", "crashes", "lost_while_down")},
         "peak_prefill_records": max(p.peak_records for p in prefills),
         "peak_prefill_tombstones": max(p.peak_tombstones for p in prefills),
         "prefill_records_at_end": max(len(p.book.records) for p in prefills),
-        "quarantines": d.stats["quarantines"], "quarantine_released": d.stats["quarantine_released"],
-        "quarantined_pages_at_end": d.quarantined_pages, "quarantined_pages_freed": d.stats["quarantined_pages_freed"],
-        "overwrites": len(d.kv.overwrites), "bad_frees": len(d.kv.bad_frees) + sum(len(p.kv.bad_frees) for p in prefills),
+        "quarantines": stats["quarantines"], "quarantine_released": stats["quarantine_released"],
+        "quarantined_pages_at_end": d.quarantined_pages, "quarantined_pages_freed": stats["quarantined_pages_freed"],
+        "overwrites": sum(len(node.kv.overwrites) for node in lives),
+        "bad_frees": sum(len(node.kv.bad_frees) for node in lives) + sum(len(p.kv.bad_frees) for p in prefills),
         "source_stale_reads": sum(len(p.kv.stale_reads) for p in prefills),
-        "checksum_mismatches": d.stats["checksum_mismatches"],
+        "checksum_mismatches": stats["checksum_mismatches"],
         "leaked_pages": cluster.leaked_pages(), "prefill_leaked_pages": cluster.prefill_leaked_pages(),
         "requests_still_held": len(d.reqs), "pages_held_at_end": sum(len(r.pages) for r in d.reqs.values()),
         "peak_held_aborted_pages": d.peak_held_aborted_pages,
-        "fences": [{"rank": r, "incarnation": i, "at_s": round(t, 4)} for r, i, t in d.fences],
-        **{k: d.stats[k] for k in ("released_by_fence", "misaddressed", "non_owner", "old_life_messages",
-                                   "resumed_sends", "paused_sends", "decode_restarts", "unreachable_fences")},
+        "fences": [{"rank": r, "incarnation": i, "at_s": round(t, 4)} for node in lives
+                   for r, i, t in node.fences],
+        **{k: stats[k] for k in ("released_by_fence", "misaddressed", "non_owner", "old_life_messages",
+                                 "resumed_sends", "paused_sends", "decode_restarts", "unreachable_fences")},
         "fenced_writes_refused": sum(p.engine.stats["fenced_refused"] for p in prefills),
         "fenced_writes_landed": sum(p.engine.stats["fenced_landed"] for p in prefills),
-        "dead_life_writes_refused": d.kv.refused_dead_life,
+        "dead_life_writes_refused": sum(node.kv.refused_dead_life for node in lives), "decode_life": d.life,
         **{f"prefill_{k}": sum(p.stats[k] for p in prefills) for k in ("stale_decode_life", "orphaned")},
         **cluster.stats, **cluster.watch.report(),
         "channel": dict(cluster.channel.stats),

@@ -32,6 +32,8 @@ class PDStressConfig:
     lease_loss: tuple[tuple[int, float, float], ...] = ()  # (rank, time, seconds): a live rank's lease expires,
     # it heartbeats again that much later (a false suspicion: fenced meanwhile if seconds > lease_s + fence_after_s)
     restart_decode: tuple[float, ...] = ()  # times the decode worker crashes and restarts (a new life)
+    fresh_decode: tuple[float, ...] = ()  # times the decode process crashes and the OS starts a fresh one
+    # (a new DecodeNode on the same registry and pages: its life is the registry's, as a restart's)
     misaddress: float = 0.0  # probability a prefill reply is also delivered naming another (or no) peer
     channel: ChannelFaults = field(default_factory=lambda: ChannelFaults(drop=0.05, duplicate=0.05))
     engine: EngineFaults = field(default_factory=lambda: EngineFaults(slow_write=0.02, error=0.02))

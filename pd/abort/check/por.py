@@ -8,9 +8,10 @@ landing, a batch failing or quiescing). The explorer expands ``T_r(s)`` instead 
 when, for some r (the smallest such set is taken):
 
 1. **no fault can touch r** from s on: the fault budget is spent (``faults_used == faults``) or the kinds
-   allowed are only ``decode_restart`` (which changes decode alone). Faults share one budget, so a fault
-   is dependent on every other fault; with budget left, a crash / drop / fail / partition of r's parts could
-   be taken by a path outside the set and would not commute with r's steps;
+   allowed are only ``decode_restart`` (which changes decode alone, and the registry's decode-life counter,
+   which no prefill step reads). Faults share one budget, so a fault is dependent on every other fault;
+   with budget left, a crash / drop / fail / partition of r's parts could be taken by a path outside the
+   set and would not commute with r's steps;
 2. **every action of T_r(s) is local** to r: it reads and writes only r's process (book, queue, records,
    source pages), the posting side of r's engine (new batches and write events: ``post`` reads no fence),
    the head of the decode->r queue, the *tail* of the r->decode queue, ``floors_told`` of r and the

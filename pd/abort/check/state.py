@@ -43,7 +43,8 @@ FIELDS: dict[type, tuple[set[str], set[str]]] = {  # class -> (state, ignored)
     TransferEngine: ({"_status", "_batches", "_in_flight", "_drain_waiters", "fenced_upto"},
                      _COUNTERS | {"loop", "land", "faults", "_next"}),
     PDCluster: ({"rooms", "attempts", "latest", "decode", "prefills", "channel", "loop", "registry", "partitioned"},
-                _COUNTERS | {"cfg", "fault_rng", "outcomes", "retries", "misaddress_rng", "watch"}),
+                _COUNTERS | {"cfg", "fault_rng", "outcomes", "retries", "misaddress_rng", "watch",
+                             "past_decodes"}),  # crashed decode processes (the stress's fresh_decode): statistics
     ChoiceChannel: ({"queues", "late"}, {"stats", "_handlers"}),
 }
 
@@ -290,6 +291,7 @@ def canonical(world, ranks: tuple[int, ...] | None = None, rids: tuple[int, ...]
               tuple(k.obj(d.reqs[room]) for room in sorted(d.reqs)), tuple(k.obj(r) for r in d.queue), d._epoch,
               k.per_rank([(tuple(sorted(e for e in w._open if e not in w._closed)), w._next) for w in d.watermarks]),
               d.stats["checksum_mismatches"], d.life, k.per_rank(d.fenced))  # the statistic an invariant reads
+    # d.life is also the registry's decode-life counter: the registry issued it last (DecodeNode asserts it)
     prefills = tuple(
         (n.incarnation, n.alive, n.up, k.name("kv", id(n.kv)), _pages(k, n.kv, n.kv.content, len(n.kv.stale_reads)),
          tuple((room, k.obj(n.book.records[room])) for room in sorted(n.book.records)),

@@ -2,10 +2,11 @@
 router of the stress (:class:`~pd.abort.cluster.PDCluster`'s own ``submit`` / ``_finished``) and the
 bootstrap registry, on a wall clock; its KV is real registered memory checked by the landing checker.
 
-One process is one decode **life**, numbered by the supervisor. A life registers fresh memory (a new
-engine session), publishes its layout, then serves; requests of a dead life are lost with it, and the
-next life submits again every request id that has no final outcome in ``outcomes.jsonl`` (new rooms:
-``life * ROOM_STRIDE + n``)."""
+One process is one decode **life**, issued by the bootstrap registry when the process starts
+(:class:`~pd.abort.real.registry_link.DurableRegistry`: above every life before, whoever started the
+process). A life registers fresh memory (a new engine session), publishes its layout, then serves;
+requests of a dead life are lost with it, and the next life submits again every request id that has no
+final outcome in ``outcomes.jsonl`` (new rooms: ``life * ROOM_STRIDE + n``)."""
 
 from __future__ import annotations
 
@@ -27,14 +28,14 @@ class RealDecodeNode(DecodeNode):
     """The protocol's decode node, unchanged, whose pages are decode's registered memory (a subclass only
     to put :class:`~pd.abort.real.landing_kv.RealDecodeKV` where the node keeps its KV)."""
 
-    def __init__(self, memory, first_life: int, *args, **kwargs) -> None:
-        self.memory, self.first_life = memory, first_life
+    def __init__(self, memory, *args, **kwargs) -> None:
+        self.memory = memory
         super().__init__(*args, **kwargs)
 
     def _new_life(self) -> None:
         from pd.abort.real.landing_kv import RealDecodeKV
 
-        self.life = max(self.life, self.first_life)
+        assert self.life == self.memory.life, f"life {self.life}: the memory is life {self.memory.life}'s"
         super()._new_life()
         self.kv = RealDecodeKV(self.memory, self.topology.num_layers, self.life)
 
@@ -67,13 +68,13 @@ class Router:
 class DecodeProcess(Process):
     def __init__(self, run_dir, name: str) -> None:
         super().__init__(run_dir, name)
-        from pd.abort.bootstrap import BootstrapRegistry
         from pd.abort.real.engine import open_engine
         from pd.abort.real.mooncake_engine import DecodeMemory
-        from pd.abort.real.registry_link import RegistryServer
+        from pd.abort.real.registry_link import DurableRegistry, RegistryServer
 
         cfg = self.run.stress
-        self.life = self.me["life"]
+        self.registry = DurableRegistry(len(cfg.topology.ranks), run_dir)
+        self.life = self.registry.register_decode()  # first: the memory, its layout and the rooms are the life's
         engine, session = open_engine()
         self.memory = DecodeMemory(engine, session, self.life, cfg.decode.num_pages, self.run.page_bytes,
                                    cfg.topology.layers_by_rank,
@@ -87,11 +88,10 @@ class DecodeProcess(Process):
         self.pending = [rid for rid in range(cfg.requests) if rid not in done]
         self.router = Router(cfg, self.loop, random.Random(root.getrandbits(64)), self.life * ROOM_STRIDE,
                              outcomes.open("a"))
-        self.registry = BootstrapRegistry(len(cfg.topology.ranks))
         decode_cfg = replace(cfg.decode, legacy_immediate_release=cfg.legacy_immediate_release)
-        self.node = RealDecodeNode(self.memory, self.life, self.loop, random.Random(root.getrandbits(64)),
-                                   decode_cfg, self._send, cfg.topology, self.registry, self.router.finished,
-                                   self.memory.fence)
+        self.node = RealDecodeNode(self.memory, self.loop, random.Random(root.getrandbits(64)), decode_cfg,
+                                   self._send, cfg.topology, self.registry, self.router.finished,
+                                   self.memory.fence, life=self.life)
         self.router.decode = self.node
         self.server = RegistryServer(self.loop, self.registry, self.memory, cfg.prefill.lease_s,
                                      lambda rank, msg: self.channel.send("bootstrap", f"bootstrap{rank}", msg))

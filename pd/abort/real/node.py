@@ -5,7 +5,8 @@ and the bootstrap registry) or one :class:`~pd.abort.prefill_side.PrefillNode` â
 :class:`~pd.abort.real.wall_loop.WallLoop`, with :class:`~pd.abort.real.zmq_channel.ZmqChannel` as its
 control channel and Mooncake as its transfer engine. The supervisor (:mod:`pd.abort.real.storm`)
 writes ``RUN_DIR/config.pkl`` (a :class:`~pd.abort.real.process.RealRun`) and one ``RUN_DIR/NAME.json``
-per process (its addresses, decode life or prefill incarnation); each process writes, as it goes:
+per process (its addresses, and a prefill process's incarnation; decode's life is the registry's:
+``decode-life-decode``, see :mod:`pd.abort.real.registry_link`); each process writes, as it goes:
 
 * ``ready-NAME`` once it serves; decode also ``layout-LIFE.pkl`` (its session and regions) first;
 * ``NAME.stats.json`` every ``snapshot_s`` and at exit (atomic rename: a SIGKILL leaves the last one);

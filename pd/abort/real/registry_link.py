@@ -14,11 +14,21 @@ the registry's changes:
   new incarnation serving — nothing the old process left in flight can land after that;
 * a heartbeat of a fenced (revoked) incarnation — a process decode wrongly took for dead, e.g. starved
   past its lease — is answered :class:`Revoked`: that process must exit and come back as a new one.
+
+Decode's own life comes from the registry too (:meth:`~pd.abort.bootstrap.BootstrapRegistry.register_decode`).
+The registry object dies with the decode process that hosts it, so :class:`DurableRegistry` keeps the
+lives it issued in a file of the run directory: a decode process started by anyone — the supervisor, or
+the OS after a crash — registers a life above every one before it.
 """
 
 from __future__ import annotations
 
+import fcntl
+import os
 from dataclasses import dataclass
+from pathlib import Path
+
+from pd.abort.bootstrap import BootstrapRegistry
 
 
 @dataclass(frozen=True)
@@ -88,3 +98,30 @@ class RegistryServer:
                 self.stats["expiries"] += 1
                 self.registry.expire(rank, inc)
         self.loop.after(self.lease_s / 4, self._check_leases)
+
+
+class DurableRegistry(BootstrapRegistry):
+    """The registry a decode process hosts, whose decode lives outlive it: the newest life issued to each
+    worker is kept in ``directory/decode-life-WORKER`` (written by atomic rename, under a lock, so two
+    processes starting at once still get different lives and a crash mid-write loses nothing)."""
+
+    def __init__(self, num_ranks: int, directory: Path) -> None:
+        super().__init__(num_ranks)
+        self.directory = directory
+
+    def register_decode(self, worker: str = "decode") -> int:
+        path = self.directory / f"decode-life-{worker}"
+        with open(path.with_suffix(".lock"), "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes (or the process dies)
+            life = self._read(path, -1) + 1
+            tmp = path.with_suffix(".tmp")
+            tmp.write_text(str(life))
+            os.replace(tmp, path)
+        return life
+
+    def decode_life(self, worker: str = "decode") -> int | None:
+        return self._read(self.directory / f"decode-life-{worker}", None)
+
+    @staticmethod
+    def _read(path: Path, default: int | None) -> int | None:
+        return int(path.read_text()) if path.exists() else default

@@ -83,7 +83,8 @@ class Supervisor:
                                 seed=run.stress.seed)
         self.procs: dict[str, subprocess.Popen] = {}  # process name -> the live process of that role
         self.incarnation = {r: 0 for r in ranks}
-        self.life = 0
+        self.decodes = 0  # decode processes started before the current one: it is named decode-l<decodes>
+        # (its life is the registry's own — the same number while only this supervisor starts decode)
         self.log = (run_dir / "faults.jsonl").open("a")
         self.t0 = 0.0
         (run_dir / "config.pkl").write_bytes(pickle.dumps(run))
@@ -123,8 +124,8 @@ class Supervisor:
         addresses = {"decode": self.decode_addr, "bootstrap": self.decode_addr,
                      **{f"prefill{r}": self.proxy_prefill[r] for r in ranks},
                      **{f"bootstrap{r}": self.prefill_addr[r] for r in ranks}}
-        self._spawn("decode", f"decode-l{self.life}", {"life": self.life, "endpoint": "decode",
-                                                        "addresses": addresses, "local": self.decode_addr})
+        self._spawn("decode", f"decode-l{self.decodes}", {"endpoint": "decode", "addresses": addresses,
+                                                           "local": self.decode_addr})
 
     def kill(self, endpoint: str) -> None:
         proc = self.procs[endpoint]
@@ -170,9 +171,9 @@ class Supervisor:
                             process=f"prefill{args[0]}-i{self.incarnation[args[0]]}")
         elif action == "restart_decode":
             self.kill("decode")
-            self._event("sigkill", process=f"decode-l{self.life}")
-            self.life += 1
-            self._event("start", process=f"decode-l{self.life}")
+            self._event("sigkill", process=f"decode-l{self.decodes}")
+            self.decodes += 1
+            self._event("start", process=f"decode-l{self.decodes}")
             self.start_decode()
 
     def run_storm(self) -> float:
@@ -186,7 +187,7 @@ class Supervisor:
         serving = time.monotonic() - self.t0  # the storm's zero: decode-l0 is ready and admitting
         self._event("ready", process="decode-l0")
         plan = [(at + serving, action, args) for at, action, args in self.schedule()]
-        while not (self.dir / f"done-decode-l{self.life}").exists():
+        while not (self.dir / f"done-decode-l{self.decodes}").exists():
             now = time.monotonic() - self.t0
             if now > self.faults.timeout_s:
                 self._event("timeout")
