@@ -1,6 +1,7 @@
-"""Where the plug-in pool meets upstream's own paths: SGLang's unit tests call the layer-split pool's
-methods on stand-in objects (the plug-in's class then answers with upstream's methods); the one
-intended difference, the no-communicator prefetch waiting for HiCache's layer; the inherited
+"""Where the plug-in pool meets upstream's own paths, on real plug-in pools: SGLang's unit tests of
+the layer-split pool's whole-buffer prefetch and read (adapted: upstream calls the methods on
+stand-in objects; here a plug-in pool without batch pages runs upstream's methods); the one intended
+difference, the no-communicator prefetch waiting for HiCache's layer; the inherited
 ``LayerSplitIndexKeyCache.move`` bug, overridden. Real sglang package, CPU."""
 
 from __future__ import annotations
@@ -24,30 +25,42 @@ from layersplit.sglang_plugin.stress import PAGE, SIZE, dsa_pool_kwargs, publish
 Plus = make_pool_class()
 
 
-def test_standin_prefetch_without_communicator_is_upstreams():
-    """A stand-in holding upstream's attributes only (no communicator): one synchronous broadcast,
-    no wait, the layer marked as landed: upstream's method ran."""
-    sent = []
-    standin = SimpleNamespace(remote_kv_layer_id=None, pending_remote_kv_broadcast=False,
-                              pending_remote_kv_layer_id=None, layer_broadcast_comm=None, remote_kv_buffer=object(),
-                              kv_buffer=[object()], start_layer=0, _local_layer_idx=lambda i: i,
-                              _is_layer_owned=lambda _: True)
-    standin._broadcast_tensor_from_owner = lambda t, i, *, src_tensor, use_layer_broadcast_comm: sent.append(i)
-    counter = SimpleNamespace(wait_until=lambda _: pytest.fail("a stand-in gets upstream's (unwaited) prefetch"))
-    Plus.prefetch_kv_buffer(standin, layer_id=0, layer_transfer_counter=counter, layer_transfer_idx=3)
-    assert sent == [0] and standin.remote_kv_layer_id == 0
+def _whole_buffer_pool(group, monkeypatch):
+    """A real plug-in pool of rank 0 of 2 on a one-rank gloo group (rank 0's broadcasts of its own
+    layers are real collectives), ``pool`` landing, no batch pages: upstream's whole-buffer path."""
+    monkeypatch.setenv("LAYERSPLIT_SGLANG_LANDING", "pool")  # upstream's landing layer kept
+    with published(world=2, group=group):
+        pool = Plus(SIZE, **dsa_pool_kwargs(), layer_shard_rank=0, layer_shard_size=2)
+    assert pool.layer_broadcast_comm is None and pool.forward_pages is None
+    for i in range(3):  # rank 0 owns layers 0, 1, 2
+        pool.kv_buffer[i].copy_(torch.full_like(pool.kv_buffer[i], float(i + 1)))
+    return pool
 
 
-def test_standin_read_returns_the_owners_bytes():
-    owner = {i: torch.full((3, 1, 8), float(i + 1)) for i in range(4)}
-    standin = SimpleNamespace(start_layer=0, remote_kv_layer_id=None, pending_remote_kv_broadcast=False,
-                              pending_remote_kv_layer_id=None, remote_kv_buffer=torch.zeros(3, 1, 8),
-                              kv_buffer=[owner[i] for i in range(4)], _local_layer_idx=lambda i: i,
-                              _is_layer_owned=lambda _: True)
-    standin._broadcast_tensor_from_owner = lambda t, i, **kw: t.copy_(owner[i])
-    for i in range(4):
-        assert torch.equal(Plus._get_broadcastable_kv_buffer(standin, i), owner[i])
-        assert standin.remote_kv_layer_id == i
+def test_whole_buffer_prefetch_without_communicator(one_rank_group, monkeypatch):
+    """SGLang's prefetch test without a communicator: one synchronous broadcast of the owner's
+    buffer into the landing layer, the layer marked as landed; the plug-in waits for HiCache's layer
+    first (upstream broadcasts at once: test_prefetch_without_communicator_waits_for_the_hicache_layer)."""
+    pool = _whole_buffer_pool(one_rank_group, monkeypatch)
+    calls, broadcast = [], pool._broadcast_tensor_from_owner
+    pool._broadcast_tensor_from_owner = lambda t, i, **kw: calls.append(("broadcast", i)) or broadcast(t, i, **kw)
+    counter = SimpleNamespace(wait_until=lambda idx: calls.append(("wait", idx)))
+    with published(world=2, group=one_rank_group):
+        pool.prefetch_kv_buffer(layer_id=0, layer_transfer_counter=counter, layer_transfer_idx=3)
+    assert calls == [("wait", 3), ("broadcast", 0)] and pool.remote_kv_layer_id == 0
+    assert torch.equal(pool.remote_kv_buffer.view(torch.uint8), pool.kv_buffer[0].view(torch.uint8))
+
+
+def test_whole_buffer_read_returns_the_owners_bytes(one_rank_group, monkeypatch):
+    """SGLang's read test: each layer read through upstream's landing layer holds the owner's bytes.
+    Upstream's stand-in owns every layer; here rank 0 reads its own layers (a single process cannot
+    receive rank 1's layers: the two-rank reads are test_non_owned_layers_after_gloo_broadcast)."""
+    pool = _whole_buffer_pool(one_rank_group, monkeypatch)
+    with published(world=2, group=one_rank_group):
+        for i in range(3):
+            read = pool._get_broadcastable_kv_buffer(i)
+            assert read.data_ptr() == pool.remote_kv_buffer.data_ptr() and pool.remote_kv_layer_id == i
+            assert torch.equal(read.view(torch.uint8), pool.kv_buffer[i].view(torch.uint8))
 
 
 class LoadingCounter:
