@@ -33,7 +33,7 @@ import statistics
 import sys
 
 from dsa_kernels.layout import PAGE_SIZE
-from layersplit.engine.engine import SCHEDULES, EngineConfig
+from layersplit.engine.engine import SCHEDULES, EngineConfig, FaultInjection
 from layersplit.engine.launcher import Scenario, run_cp
 from layersplit.engine.ownership import plan_ownership
 from layersplit.engine.requests import synthetic_requests
@@ -70,7 +70,7 @@ def scenarios(args: argparse.Namespace, reqs) -> list[Scenario]:
     out = [Scenario("warm-up", reqs, EngineConfig(**base))]
     for rep in range(args.repeats):  # alternate the order per repeat: drift in the machine's load hits all cells
         for schedule, delay in (cells if rep % 2 == 0 else cells[::-1]):
-            cfg = EngineConfig(schedule=schedule, bcast_kv_delay_s=delay / 1e3, **base)
+            cfg = EngineConfig(schedule=schedule, faults=FaultInjection(bcast_kv_delay_s=delay / 1e3), **base)
             out.append(Scenario(f"{schedule}/{delay:g}/{rep}", reqs, cfg))
     return out
 

@@ -31,7 +31,7 @@ The owner gathers only the batch's prefix pages (``plan.bcast_pages``) and, when
 ``l`` are still loading from its host tier, waits for that layer's load events first.
 
 Stream edges (the compute stream is ``rt.compute_stream()``; every one is removable for the
-sanitizer's teeth tests through ``unsafe_skip_edges``):
+sanitizer's teeth tests through ``FaultInjection.unsafe_skip_edges``):
 
 * every collective waits for the compute work queued before its issue (:mod:`layersplit.engine.comm`), and
   its buffers are ``record_stream``-ed on its stream;
@@ -50,6 +50,7 @@ checks that contract on every backend, so a CPU run on the torch reference refus
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -82,6 +83,22 @@ from layersplit.engine.choices import ENGINE_KV_DTYPES, SCHEDULES  # noqa: E402 
 
 
 @dataclass(frozen=True)
+class FaultInjection:
+    """Test and benchmark knobs, never set when serving: stalls that open race windows or size the
+    overlap, and UNSAFE switches that drop a safeguard (the teeth tests: each must then be detected)."""
+
+    hicache_delay_s: float = 0.0  # > 0: prefix rows reload from the host tier with random stalls
+    bcast_kv_delay_s: float = 0.0  # > 0: every KV broadcast stalls this long first (the overlap benchmark)
+    unsafe_skip_coherence: bool = False  # UNSAFE: broadcast without waiting for the HiCache load
+    unsafe_skip_edges: frozenset[str] = frozenset()  # UNSAFE: drop stream edges by name (see UNSAFE_EDGES)
+
+    def __post_init__(self) -> None:
+        bad = set(self.unsafe_skip_edges) - set(UNSAFE_EDGES)
+        if bad:
+            raise ValueError(f"unsafe_skip_edges: expected a subset of {UNSAFE_EDGES}, got {sorted(bad)}")
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     mode: str = "layersplit"
     schedule: str = "overlapped"  # see SCHEDULES
@@ -94,12 +111,8 @@ class EngineConfig:
     kv_dtype: str = "bf16"
     weight_seed: int = 0
     prefix_seed: int = 1
-    hicache_delay_s: float = 0.0  # > 0: prefix rows reload from the host tier with random stalls
-    bcast_kv_delay_s: float = 0.0  # > 0: every KV broadcast stalls this long first (the overlap benchmark)
-    unsafe_skip_coherence: bool = False  # UNSAFE: broadcast without waiting for the HiCache load
-    # UNSAFE, for the sanitizer's teeth tests: drop a stream edge by name (see UNSAFE_EDGES)
-    unsafe_skip_edges: frozenset[str] = frozenset()
     trace: bool = True
+    faults: FaultInjection = FaultInjection()  # tests and benchmarks only
 
     def __post_init__(self) -> None:
         # checked where the config is made (the parent), before any rank process starts
@@ -108,6 +121,8 @@ class EngineConfig:
                              f"reads bf16 rows; fp8 KV with layer split is the SGLang plug-in's), got {self.kv_dtype!r}")
         if self.schedule not in SCHEDULES:
             raise ValueError(f"schedule: expected one of {SCHEDULES}, got {self.schedule!r}")
+        if not isinstance(self.faults, FaultInjection):
+            raise TypeError(f"faults: expected a FaultInjection, got {type(self.faults).__name__}")
 
 
 @dataclass
@@ -135,6 +150,27 @@ class RankResult:
         """This result with its tensors copied to the host (after the forward, outside it)."""
         self.hidden, self.local = self.hidden.cpu(), self.local.cpu()
         return self
+
+
+@dataclass
+class RankTokens:
+    """This rank's new tokens on their way through the layers: hidden states, each token's position
+    and request (per-token device tensors, from the batch plan), and the last indexer layer's top-k
+    positions, which the layers without an indexer reuse."""
+
+    h: torch.Tensor  # [n_local, hidden]
+    pos: torch.Tensor  # [n_local]
+    req: torch.Tensor  # [n_local] request index into the batch plan
+    top: torch.Tensor | None = None  # [n_local, topk] context positions, -1 padded
+
+
+class HostReload(NamedTuple):
+    """The host-tier reload of this rank's prefix pages: the loader (its host pool holds the rows),
+    the pages, and the events the copies follow (the pages' poison fill)."""
+
+    loader: LayerwiseLoader
+    pages: list[int]
+    fences: list[Event]
 
 
 def prefix_rows(spec, request_id: int, layer: int, n: int, seed: int) -> tuple[torch.Tensor, ...]:
@@ -170,10 +206,8 @@ class RankEngine:
         self.own = plan_ownership(model_cfg.num_layers, cfg.cp, cfg.ownership)
         self.pool = CPPool(cfg.mode, self.spec, cfg.pool_pages, rank, self.own,
                            scratch_pages_for(cfg.max_batch_tokens, cfg.max_requests), runtime.device)
-        bad = set(cfg.unsafe_skip_edges) - set(UNSAFE_EDGES)
-        if bad:
-            raise ValueError(f"unsafe_skip_edges: expected a subset of {UNSAFE_EDGES}, got {sorted(bad)}")
-        self.unsafe = frozenset(cfg.unsafe_skip_edges)
+        self.faults = cfg.faults
+        self.unsafe = frozenset(cfg.faults.unsafe_skip_edges)
         self.tracer = Tracer(rank, cfg.trace, self.rt)
         self.comm = CPComm(self.rt, rank, cfg.cp, self.tracer, self.unsafe & {"compute_wait", "record_stream"},
                            channels=2 if cfg.schedule == "overlapped" else 1, transport=transport)
@@ -204,12 +238,11 @@ class RankEngine:
 
     # HiCache: prefix rows reload from this rank's (layer-split) host tier ---------------------------
     def _host_requests(self, plan: BatchPlan) -> list[int]:
-        everything = self.cfg.hicache_delay_s > 0  # the coherence test reloads every prefix
+        everything = self.faults.hicache_delay_s > 0  # the coherence test reloads every prefix
         return [b for b, r in enumerate(plan.requests) if r.prefix_len and (r.from_host or everything)]
 
-    def _prepare_host(self, plan: BatchPlan, host_reqs: list[int]) -> tuple[LayerwiseLoader, list[int], list[Event]]:
-        """The loader of this rank's layers of the host-tier prefixes (a host pool holding them), the
-        pages to reload, and the fences the reload follows: the device pages' poison fill."""
+    def _prepare_host(self, plan: BatchPlan, host_reqs: list[int]) -> HostReload:
+        """The reload of this rank's layers of the host-tier prefixes, its device pages poisoned."""
         host = DSAHostPool(self.spec, self.cfg.pool_pages, layers=self.pool.pool.layers)
         host.allocator.alloc(self.cfg.pool_pages)  # page ids mirror the device pool's
         with sanitizer.host_work():  # the host tier is written by the host
@@ -222,12 +255,12 @@ class RankEngine:
         self.pool.pool.fill_pages(page_ids.to(self.rt.device, non_blocking=True), POISON)
         poisoned = self.rt.event()  # hazard: the load stream overwrites these pages after the poison
         poisoned.record(self.compute)
-        return loader, pages, [] if "poison_fence" in self.unsafe else [poisoned]
+        return HostReload(loader, pages, [] if "poison_fence" in self.unsafe else [poisoned])
 
     def _install_delays(self) -> None:
         """The runtime's delay hook: random stalls before host-tier copies (``hicache_delay_s``, the
         coherence test) and a fixed stall before every KV broadcast (``bcast_kv_delay_s``)."""
-        lim, kv_delay = self.cfg.hicache_delay_s, self.cfg.bcast_kv_delay_s
+        lim, kv_delay = self.faults.hicache_delay_s, self.faults.bcast_kv_delay_s
         rng = torch.Generator().manual_seed(self.cfg.prefix_seed + self.rank)
 
         def hook(stream: str, op: str) -> float:
@@ -250,7 +283,7 @@ class RankEngine:
             released = self._released.pop((self.pool.slot_of.get(layer), part), None)
             if released is not None and "slot_release" not in self.unsafe:
                 after.append(released)  # hazard: the slot's previous layer may still be read
-            if load is not None and owner == self.rank and not self.cfg.unsafe_skip_coherence:
+            if load is not None and owner == self.rank and not self.faults.unsafe_skip_coherence:
                 # hazard: never broadcast rows still loading from host
                 after = [(load.indexer_ready if part == "index" else load.kv_ready)[layer]]
             # the index keys travel with the all-gather (the indexer waits for both); the KV on its own
@@ -282,28 +315,39 @@ class RankEngine:
                 part[idx] = piece
         return parts
 
-    def _layer(self, layer: int, h, pos, req, plan: BatchPlan, bcast: dict[str, Sent], load, state: dict):
-        spec, owner_here = self.spec, self.pool.holds(layer)
-        lat = spec.kv_lora_rank
-        p = self.model.project(layer, h, pos)
-        ev_new, out = self._gather_new_rows(layer, p, plan)
-        rb: ReadBuffers = self.pool.read_buffers(layer, plan)
+    def _layer(self, layer: int, x: RankTokens, plan: BatchPlan, bcast: dict[str, Sent], load) -> torch.Tensor:
+        """Steps 1-3 of the module docstring for layer ``layer`` (the caller issues layer l+1's
+        broadcasts, then runs step 4, the MLP). Each wait is named after the edge it is."""
+        owner_here = self.pool.holds(layer)
         loading = owner_here and load is not None  # this rank's prefix rows of the layer come from host
-        self._wait(f"allgather_new[{layer}]", ev_new, layer)
+        # 1. project this rank's new tokens; all-gather every rank's new rows
+        p = self.model.project(layer, x.h, x.pos)
+        gathered, out = self._gather_new_rows(layer, p, plan)
+        rb: ReadBuffers = self.pool.read_buffers(layer, plan)
+        self._wait(f"allgather_new[{layer}]", gathered, layer)
         kv_c, k_pe, index_k = self._rows(out, plan)
-        if spec.has_indexer(layer):
-            if loading:  # the load writes whole pages: the new keys go in after it, the indexer reads both
-                self._wait(f"hicache_index[{layer}]", load.indexer_ready[layer], layer)
-            elif not owner_here and "index" in bcast:
-                # (the owner's new keys land in a page its index broadcast also sends: that send
-                # precedes this layer's all-gather on the main channel, which compute waited for above)
-                self._wait(f"bcast_index[{layer}]", bcast["index"].done, layer)
+        # 2a. the indexer: its keys landed (host reload or the owner's broadcast), the new keys, top-k
+        if self.spec.has_indexer(layer):
+            self._wait_index_keys(layer, owner_here, loading, bcast, load)
             quantize_index_keys(index_k, rb.index, rb.new_slots)
-            self.rt.mark(f"indexer[{layer}]", self.compute)
-            with self.tracer.span(f"indexer[{layer}]", stream=self.compute, layer=layer):
-                # chunked: peak memory bounded by a block of context, not by new tokens x context
-                state["top"] = indexer_topk(p.q_index, p.index_weights, rb.index, rb.table, req, pos, plan.max_ctx,
-                                            self.topk, block_extents=self._extents)
+            x.top = self._indexer(layer, p, rb, x, plan)
+        # 2b. sparse attention: its KV landed (host reload, broadcast, or the owner's send packed), the new rows
+        self._wait_kv(layer, owner_here, loading, bcast, load)
+        pack_mla_kv(kv_c, k_pe, rb.kv, rb.new_slots)
+        out_lat = self._attention(layer, p, rb, x)
+        self._release_slot(layer, owner_here, bcast)
+        # 3. output projection
+        return self.model.attention_out(layer, x.h, out_lat)
+
+    def _wait_index_keys(self, layer: int, owner_here: bool, loading: bool, bcast: dict[str, Sent], load) -> None:
+        if loading:  # the load writes whole pages: the new keys go in after it, the indexer reads both
+            self._wait(f"hicache_index[{layer}]", load.indexer_ready[layer], layer)
+        elif not owner_here and "index" in bcast:
+            # (the owner's new keys land in a page its index broadcast also sends: that send precedes
+            # this layer's all-gather on the main channel, which compute waited for in step 1)
+            self._wait(f"bcast_index[{layer}]", bcast["index"].done, layer)
+
+    def _wait_kv(self, layer: int, owner_here: bool, loading: bool, bcast: dict[str, Sent], load) -> None:
         if loading:  # KV kept landing under the indexer
             self._wait(f"hicache_kv[{layer}]", load.kv_ready[layer], layer)
         if not owner_here and "kv" in bcast:
@@ -311,17 +355,28 @@ class RankEngine:
         elif "kv" in bcast:  # hazard: the new rows go into the last prefix page, which this rank's KV
             # broadcast sends from its own stream: write only after the send buffer was packed
             self._wait(f"kv_send_packed[{layer}]", bcast["kv"].source_read, layer)
-        pack_mla_kv(kv_c, k_pe, rb.kv, rb.new_slots)
+
+    def _indexer(self, layer: int, p: Projections, rb: ReadBuffers, x: RankTokens, plan: BatchPlan) -> torch.Tensor:
+        self.rt.mark(f"indexer[{layer}]", self.compute)
+        with self.tracer.span(f"indexer[{layer}]", stream=self.compute, layer=layer):
+            # chunked: peak memory bounded by a block of context, not by new tokens x context
+            return indexer_topk(p.q_index, p.index_weights, rb.index, rb.table, x.req, x.pos, plan.max_ctx,
+                                self.topk, block_extents=self._extents)
+
+    def _attention(self, layer: int, p: Projections, rb: ReadBuffers, x: RankTokens) -> torch.Tensor:
         self.rt.mark(f"attention[{layer}]", self.compute)
         with self.tracer.span(f"attention[{layer}]", stream=self.compute, layer=layer):
-            slots = positions_to_slots(state["top"], rb.table, req)
-            out_lat, _ = sparse_mla_prefill(p.q_attn, rb.kv, slots, self.model.sm_scale, lat)
-        if not owner_here and self.pool.scratch:  # the slot's last reader: a later layer may refill it
-            for part in bcast:
-                released = self.rt.event()
-                released.record(self.compute)
-                self._released[(self.pool.slot_of[layer], part)] = released
-        return self.model.attention_out(layer, h, out_lat)
+            slots = positions_to_slots(x.top, rb.table, x.req)
+            return sparse_mla_prefill(p.q_attn, rb.kv, slots, self.model.sm_scale, self.spec.kv_lora_rank)[0]
+
+    def _release_slot(self, layer: int, owner_here: bool, bcast: dict[str, Sent]) -> None:
+        """The slot's last reader is queued: a later layer may refill it after this event."""
+        if owner_here or not self.pool.scratch:
+            return
+        for part in bcast:
+            released = self.rt.event()
+            released.record(self.compute)
+            self._released[(self.pool.slot_of[layer], part)] = released
 
     def prefill(self, requests: list[Request]) -> RankResult:
         """Prefill ``requests`` (prefixes cached) and return this rank's new-token hidden states."""
@@ -342,19 +397,18 @@ class RankEngine:
         fill_prefix(self.pool.pool, self.pool.pool.layers, plan, self.cfg.prefix_seed, only=device_reqs)
         host = self._prepare_host(plan, host_reqs) if host_reqs else None
         loc = plan.local[self.rank]
-        pos, req = plan.new_pos[loc], plan.new_req[loc]
         start, end = self.rt.event(enable_timing=True), self.rt.event(enable_timing=True)
         start.record(self.compute)  # timed from here on the compute stream: host-tier reloads included
-        load = host[0].start_loading(host[1], host[1], host[2]) if host else None
-        h = self.model.embed_tokens(plan.new_tokens[loc])
-        bcast, state = self._issue_bcast(0, plan, load), {}
+        load = host.loader.start_loading(host.pages, host.pages, host.fences) if host else None
+        x = RankTokens(self.model.embed_tokens(plan.new_tokens[loc]), plan.new_pos[loc], plan.new_req[loc])
+        bcast = self._issue_bcast(0, plan, load)
         for layer in range(self.spec.num_layers):
-            h = self._layer(layer, h, pos, req, plan, bcast, load, state)
+            x.h = self._layer(layer, x, plan, bcast, load)  # steps 1-3
             if layer + 1 < self.spec.num_layers:
                 bcast = self._issue_bcast(layer + 1, plan, load)  # prefetch before this layer's MLP
             with self.tracer.span(f"mlp[{layer}]", stream=self.compute, layer=layer):
-                h = self.model.mlp(layer, h)
-        h = self.model.final_norm(h)
+                x.h = self.model.mlp(layer, x.h)  # 4.
+        h = self.model.final_norm(x.h)
         end.record(self.compute)
         self.comm.synchronize()
         if load is not None:
@@ -368,9 +422,10 @@ class RankEngine:
         waits = sum(s.elapsed_time(e) for name, s, e in self._waits if name.startswith("bcast")) / 1e3
         comm_waits = sum(s.elapsed_time(e) for name, s, e in self._waits if not name.startswith("hicache")) / 1e3
         # device tensors: the caller copies them to the host after the forward (the launcher does)
-        return RankResult(self.rank, h, loc, seconds, self.pool.kv_bytes(), dict(self._bcast_bytes),
-                          list(self.tracer.events), load.bytes_copied if load else 0, waits,
-                          comm_wait_s=comm_waits, kv_order=self._kv_order(), reload_bytes_by_layer=dict(load.bytes_by_layer) if load else {})
+        return RankResult(rank=self.rank, hidden=h, local=loc, seconds=seconds, kv_bytes=self.pool.kv_bytes(),
+                          bcast_bytes=dict(self._bcast_bytes), trace=list(self.tracer.events),
+                          reload_bytes=load.bytes_copied if load else 0, bcast_wait_s=waits, comm_wait_s=comm_waits,
+                          kv_order=self._kv_order(), reload_bytes_by_layer=dict(load.bytes_by_layer) if load else {})
 
     def _kv_order(self) -> dict[int, dict[str, bool]]:
         """Per non-owned layer: does its indexer / sparse attention happen after its KV broadcast

@@ -25,7 +25,7 @@ from hicache import csan, sanitizer
 from hicache.streams import get_runtime
 from layersplit.engine.batch_plan import Request
 from layersplit.plan.config import ModelConfig
-from layersplit.engine.engine import EngineConfig, RankEngine, RankResult
+from layersplit.engine.engine import EngineConfig, FaultInjection, RankEngine, RankResult
 from layersplit.engine.model import RowBlocks
 
 
@@ -207,7 +207,7 @@ def run_reference(model: ModelConfig, scenario: Scenario, row_blocks: int = 1) -
     """The single-process reference: one rank, every layer in its pool, nothing communicated.
     ``row_blocks > 1``: its GEMMs over that many row blocks (:class:`RowBlocks`: what a different
     row split alone changes on a device whose GEMMs are not batch-invariant)."""
-    cfg = replace(scenario.cfg, cp=1, mode="redundant", hicache_delay_s=0.0, unsafe_skip_coherence=False)
+    cfg = replace(scenario.cfg, cp=1, mode="redundant", faults=FaultInjection())  # nothing to stall or skip
     single = Scenario(scenario.name, scenario.requests, cfg, scenario.model)
     return _merge(scenario.name, _run_rank(model, [single], 0, row_blocks))
 

@@ -158,7 +158,7 @@ def prefill(model: str | ModelConfig = "tiny", *, cp: int = 2, mode: str = "laye
     import torch
 
     from dsa_kernels.dispatch import resolve
-    from layersplit.engine.engine import SCHEDULES, EngineConfig
+    from layersplit.engine.engine import SCHEDULES, EngineConfig, FaultInjection
     from layersplit.engine.launcher import Scenario, cp_backend, run_cp, run_reference
     from layersplit.engine.requests import synthetic_requests
 
@@ -178,7 +178,7 @@ def prefill(model: str | ModelConfig = "tiny", *, cp: int = 2, mode: str = "laye
     cfg = EngineConfig(mode=mode, cp=cp, ownership=ownership, split=split,
                        pool_pages=requests * -(-context_len // PAGE_SIZE), max_batch_tokens=requests * context_len,
                        max_requests=requests, trace=trace, schedule=schedule,
-                       bcast_kv_delay_s=bcast_kv_delay_ms / 1e3)
+                       faults=FaultInjection(bcast_kv_delay_s=bcast_kv_delay_ms / 1e3))
     scenario = Scenario("prefill", reqs, cfg)
     say = progress or (lambda stage: None)
     say(f"prefill on {cp} rank process(es) ({mode})")

@@ -10,7 +10,7 @@ in a collective (gloo on one GPU does, which hides the difference between the sc
 
 Per schedule: the forward time (compute-stream events), the compute stream's waits for the KV
 broadcasts and for all collectives (the engine's timed waits), the **exposed share of an injected
-stall** (``bcast_kv_delay_s`` before every KV broadcast this rank sends or receives: the sender's
+stall** (``FaultInjection.bcast_kv_delay_s`` before every KV broadcast this rank sends or receives: the sender's
 stall is on legacy's one FIFO too) as extra forward time / (stall x stalled broadcasts) and as extra
 compute-stream wait / the same, and the exposed share of the modelled KV link time (forward time
 minus that of a run with an instant KV link, over the KV link time: noise unless the link time is a
@@ -34,7 +34,7 @@ from typing import Callable
 
 from hicache.streams import get_runtime
 from layersplit.engine.comm import Link, LoopbackTransport
-from layersplit.engine.engine import SCHEDULES, EngineConfig, RankEngine, RankResult
+from layersplit.engine.engine import SCHEDULES, EngineConfig, FaultInjection, RankEngine, RankResult
 from layersplit.engine.ownership import plan_ownership
 from layersplit.engine.requests import synthetic_requests
 from layersplit.plan.config import load_model
@@ -114,7 +114,7 @@ def quiet_rank(model) -> int:
 
 
 def engine_config(schedule: str, stall_s: float, context: int) -> EngineConfig:
-    return EngineConfig(mode="layersplit", cp=WORLD, schedule=schedule, bcast_kv_delay_s=stall_s,
+    return EngineConfig(mode="layersplit", cp=WORLD, schedule=schedule, faults=FaultInjection(bcast_kv_delay_s=stall_s),
                         pool_pages=-(-context // 64), max_batch_tokens=context, max_requests=1)
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from layersplit.engine.engine import SCHEDULES, EngineConfig
+from layersplit.engine.engine import SCHEDULES, EngineConfig, FaultInjection
 from layersplit.engine.launcher import Scenario, run_cp
 from layersplit.engine.ownership import plan_ownership
 from layersplit.engine.requests import synthetic_requests
@@ -43,7 +43,7 @@ def overlap_probe(context: int, timeout_s: float, delay_ms: float | None = None)
 
     def runs(delay: float) -> dict:
         scs = [Scenario("warm-up", reqs, EngineConfig(**base))] if delay == 0 else []
-        scs += [Scenario(s, reqs, EngineConfig(schedule=s, bcast_kv_delay_s=delay / 1e3, **base)) for s in SCHEDULES]
+        scs += [Scenario(s, reqs, EngineConfig(schedule=s, faults=FaultInjection(bcast_kv_delay_s=delay / 1e3), **base)) for s in SCHEDULES]
         return {r.name: r for r in run_cp(model, scs, 2, timeout_s=timeout_s)}
 
     plain = runs(0.0)

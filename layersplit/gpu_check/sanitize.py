@@ -11,7 +11,7 @@ sanitizer, each clean with every edge and each reported with an edge removed (th
   2. the CP engine with **2 ranks over gloo on this one GPU** (CUDA tensors): the comm streams'
      collectives against the compute stream, which a single-rank run never exercises, checked
      against the single-rank reference within the device's measured tolerance;
-  3. the engine with each stream edge removed (``EngineConfig.unsafe_skip_edges``): the comm stream's
+  3. the engine with each stream edge removed (``FaultInjection.unsafe_skip_edges``): the comm stream's
      wait for compute; a scratch slot's release (with the issue-time wait, which also orders it); the
      host-tier reload's wait for the poison fill. Each must be reported, or the check proves nothing.
   CSAN would stop a run at its first hazard, so one removed edge could hide another: the child records
@@ -44,14 +44,14 @@ ENGINE_TEETH = {  # name: (edges removed, words one reported hazard must name, p
 
 
 def _scenario(context: int, unsafe: frozenset[str] = frozenset(), from_host: bool = False):
-    from layersplit.engine.engine import EngineConfig
+    from layersplit.engine.engine import EngineConfig, FaultInjection
     from layersplit.engine.launcher import Scenario
     from layersplit.engine.requests import synthetic_requests
     from layersplit.plan.config import load_model
 
     model = load_model("tiny")
     cfg = EngineConfig(mode="layersplit", cp=2, pool_pages=-(-context // 64), max_batch_tokens=context,
-                       max_requests=1, unsafe_skip_edges=unsafe)
+                       max_requests=1, faults=FaultInjection(unsafe_skip_edges=unsafe))
     reqs = synthetic_requests(1, context, 0.9, model.vocab_size, 0, from_host=from_host)
     return model, Scenario("sanitized" + ("-unsafe" if unsafe else ""), reqs, cfg)
 

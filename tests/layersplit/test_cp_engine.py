@@ -17,7 +17,7 @@ import torch
 
 from layersplit.engine.batch_plan import Request
 from layersplit.plan.config import ALL_LAYERS, load_model
-from layersplit.engine.engine import EngineConfig
+from layersplit.engine.engine import EngineConfig, FaultInjection
 from layersplit.engine.launcher import Scenario, run_cp, run_reference
 from layersplit.engine.ownership import plan_ownership
 
@@ -169,7 +169,7 @@ def test_legacy_fifo_schedule_fails_the_overlap_check(cp):
 def coherence_run(unsafe: bool):
     reqs = [Request(300, toks(40, 11)), Request(150, toks(25, 12))]
     cfg = EngineConfig(mode="layersplit", cp=2, pool_pages=32, max_batch_tokens=1024, max_requests=4,
-                       hicache_delay_s=0.02, unsafe_skip_coherence=unsafe)
+                       faults=FaultInjection(hicache_delay_s=0.02, unsafe_skip_coherence=unsafe))
     sc = Scenario("coherence", reqs, cfg)
     return run_cp(TINY, [sc], 2)[0], run_reference(TINY, sc)
 

@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from hicache.streams import get_runtime
 from layersplit.engine.comm import CPComm, Link, LoopbackTransport
-from layersplit.engine.engine import SCHEDULES, RankEngine
+from layersplit.engine.engine import SCHEDULES, FaultInjection, RankEngine
 from layersplit.engine.requests import synthetic_requests
 from layersplit.engine.trace import Tracer
 from layersplit.gpu_check import link_overlap
@@ -178,7 +178,7 @@ def test_teeth_sanitizer_sees_the_loopback_copies(rt):
     model = load_model("tiny")
     transport = LoopbackTransport({"main": Link(1e9, 1e-4), "kv": Link(1e9, 1e-4)}, time.sleep)
     cfg = dataclasses.replace(link_overlap.engine_config("overlapped", 0.0, 512),
-                              unsafe_skip_edges=frozenset({"compute_wait"}))
+                              faults=FaultInjection(unsafe_skip_edges=frozenset({"compute_wait"})))
     with sanitizer.sanitized() as san:
         RankEngine(model, cfg, 1, rt, transport).prefill(synthetic_requests(1, 512, 0.9, model.vocab_size, 0))
     hazards = [str(h) for h in san.hazards]

@@ -2,7 +2,7 @@
 
 Clean: CP 1, 2 and 4, both modes, with and without prefixes reloaded from the host tier, report no
 hazard and match the single-process reference. Teeth: each stream edge of the engine, removed alone
-(``EngineConfig.unsafe_skip_edges``), is reported on every run, with no stall and no timing:
+(``FaultInjection.unsafe_skip_edges``), is reported on every run, with no stall and no timing:
 the comm stream not waiting for compute, collective buffers without ``record_stream``, a scratch
 slot refilled before its reader finished (its release event and the issue-time wait both removed:
 either orders it), and the host-tier reload racing the poison fill.
@@ -17,7 +17,7 @@ import torch
 
 from layersplit.engine.batch_plan import Request
 from layersplit.plan.config import load_model
-from layersplit.engine.engine import EngineConfig
+from layersplit.engine.engine import EngineConfig, FaultInjection
 from layersplit.engine.launcher import Scenario, run_cp, run_reference
 
 TINY = load_model("tiny")
@@ -32,7 +32,8 @@ HOST_PREFIX = [Request(300, toks(40, 11), from_host=True), Request(150, toks(25,
 
 
 def _cfg(cp: int, mode: str = "layersplit", skip: frozenset[str] = frozenset()) -> EngineConfig:
-    return EngineConfig(mode=mode, cp=cp, pool_pages=32, max_batch_tokens=1024, max_requests=4, unsafe_skip_edges=skip)
+    return EngineConfig(mode=mode, cp=cp, pool_pages=32, max_batch_tokens=1024, max_requests=4,
+                        faults=FaultInjection(unsafe_skip_edges=skip))
 
 
 def clean_scenarios(cp: int) -> list[Scenario]:

@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from layersplit.engine.batch_plan import Request
-from layersplit.engine.engine import EngineConfig
+from layersplit.engine.engine import EngineConfig, FaultInjection
 from layersplit.engine.launcher import Scenario, run_cp, run_reference
 from layersplit.plan.config import load_model
 
@@ -68,7 +68,7 @@ def run(cp: int):
         scs = [sc for sc in scenarios(cp) if cp > 1 or sc.name.startswith("redundant")]
         if cp == 2:  # teeth: the declared Triton accesses do not blind the sanitizer to a missing edge
             cfg = EngineConfig(mode="layersplit", cp=2, pool_pages=8, max_batch_tokens=256, max_requests=2,
-                               unsafe_skip_edges=frozenset({"compute_wait"}))
+                               faults=FaultInjection(unsafe_skip_edges=frozenset({"compute_wait"})))
             scs.append(Scenario("teeth/compute_wait", DEVICE_PREFIX, cfg))
         if cp == 1:  # one rank: the single-process path itself, sanitized in this process
             return {sc.name: run_reference(TINY, sc) for sc in scs}
