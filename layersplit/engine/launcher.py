@@ -76,6 +76,11 @@ def _run_rank(model: ModelConfig, scenarios: list[Scenario], rank: int, row_bloc
                 if row_blocks > 1:
                     engine.model = RowBlocks(engine.model, row_blocks)
                 out.append(engine.prefill(sc.requests).host())
+            except Exception as exc:
+                if found:  # a run that carried a race on to a kernel that then failed: say what CSAN saw first
+                    raise RuntimeError(f"{exc!r} after CUDA's sanitizer recorded {len(found)} hazard(s); "
+                                       f"the first:\n{found[0][:3000]}") from exc
+                raise
             finally:
                 if rt is not None:
                     rt.close()

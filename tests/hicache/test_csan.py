@@ -69,3 +69,26 @@ def test_an_event_edge_orders_the_accesses(ordered):
             handler._handle_event_wait(event, second)
         _launch(second, {ptr}, set(), READ)
     assert len(found) == (0 if ordered else 1)
+
+
+def test_a_rank_that_fails_after_csan_recorded_says_what_it_saw(monkeypatch):
+    from contextlib import contextmanager
+
+    from layersplit.engine import engine as engine_mod
+    from layersplit.engine import launcher
+    from layersplit.gpu_check.run import _tiny_scenario
+
+    @contextmanager
+    def fake_collecting():
+        yield ["CSAN detected a possible data race ... c10d::broadcast_ ... dsa_kernels::sparse_mla_prefill"]
+
+    def fail(self, requests):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+    monkeypatch.delenv("LAYERSPLIT_SANITIZE", raising=False)
+    monkeypatch.setattr(csan, "active", lambda: True)
+    monkeypatch.setattr(csan, "collecting", fake_collecting)
+    monkeypatch.setattr(engine_mod.RankEngine, "prefill", fail)
+    model, sc = _tiny_scenario(64)
+    with pytest.raises(RuntimeError, match=r"illegal memory access.*recorded 1 hazard\(s\); the first:\n"
+                                           r"CSAN detected .*c10d::broadcast_"):
+        launcher._run_rank(model, [sc], 0)

@@ -89,3 +89,28 @@ def test_vendor_warm_up_failure_fails_the_environment(monkeypatch):
         raise RuntimeError("JIT build failed: nvcc not found")
     monkeypatch.setattr(vendor, "available", lambda: {"topk_indices": broken})
     assert gpu_run.warm_vendor(torch.device("cpu"))["topk_indices"].startswith("raised RuntimeError: JIT build failed")
+
+
+def test_csan_hazards_kept_in_brief_with_both_kernels():
+    from hicache import csan
+    from torch.cuda import _sanitizer as torch_csan
+
+    handler = torch_csan.cuda_sanitizer.dispatch.event_handler
+    with csan.collecting() as found:
+        handler._handle_kernel_launch(401, set(), {9301}, set(), "c10d::broadcast_(Tensor[] tensors) -> ()", {9301: ["tensors"]})
+        handler._handle_kernel_launch(402, {9301}, set(), set(), "dsa_kernels::sparse_mla_prefill(Tensor kv_cache) -> ()", {9301: ["kv_cache"]})
+    text = sanitize.brief(found[0])
+    assert "c10d::broadcast_" in text and "dsa_kernels::sparse_mla_prefill" in text and len(text) < 600
+    assert sanitize._names({"hazard_list": found}, ("broadcast_", "sparse_mla_prefill"))
+
+
+def test_a_tooth_run_that_crashed_after_csan_saw_the_race_counts(monkeypatch):
+    """A removed edge lets poison reach a kernel, which may then fail: the rank's error carries CSAN's
+    first hazard, so the tooth is still reported (and matched by its ops)."""
+    from layersplit.engine import launcher
+
+    err = RuntimeError("rank 1 failed: ... after CUDA's sanitizer recorded 3 hazard(s); the first:\n"
+                       "CSAN detected a possible data race ... c10d::broadcast_ ... dsa_kernels::sparse_mla_prefill")
+    monkeypatch.setattr(launcher, "run_cp", lambda *a, **k: (_ for _ in ()).throw(err))
+    got = sanitize._engine(64, frozenset({"slot_release", "compute_wait"}), 30.0, 1e-4)
+    assert got["hazards"] == 1 and sanitize._names(got, ("broadcast_", "sparse_mla_prefill"))
