@@ -4,7 +4,7 @@
 #   scripts/fresh_clone_check.sh [--ref REF] [--dir DIR] [--main-job] [--tests] [--keep] [--dry-run]
 #
 # Clones this repository (its committed REF, default HEAD) into a temporary folder, then runs the
-# README's "Set up and run" block as written there: its first line (the install), its second (the main
+# README's setup block (marked <!-- block: setup -->) as written there: its first line (the install), its second (the main
 # job) with --help unless --main-job is given, then `layersplit plan --model glm-5 --cp 8 --hardware h200`
 # and the same plan from a model's own config.json. --tests also runs the README's test command (long:
 # the whole suite). Prints each step's wall time; a failing step prints its log's tail and stops.
@@ -49,25 +49,25 @@ step() {  # step NAME COMMAND...: run in the clone, log to $logs/NAME.log, recor
     printf '%-28s %8s s\n' "$name" "${times[-1]}"
 }
 
-readme_block() {  # the README's first ```bash block after the heading $1 in README $2, one command per line
-    awk -v head="$1" '
-        index($0, head) == 1 { found = 1; next }
-        found && /^```bash/ { inside = 1; next }
+readme_block() {  # the README's block marked <!-- block: $1 --> in README $2, one command per line
+    awk -v mark="<!-- block: $1 -->" '
+        $0 == mark { found = 1; next }
+        found && /^```/ && !inside { inside = 1; next }
         inside && /^```/ { exit }
         inside && NF { print }' "$2"
 }
 
 if [[ $dry_run -eq 1 ]]; then
-    readme_block "## Set up and run" "$repo/README.md" | sed -n '1s/^/install: /p; 2s/^/main job: /p'
-    readme_block "## Test" "$repo/README.md" | sed -n '1s/^/tests: /p'
+    readme_block setup "$repo/README.md" | sed -n '1s/^/install: /p; 2s/^/main job: /p'
+    readme_block tests "$repo/README.md" | sed -n '1s/^/tests: /p'
     exit 0
 fi
 
 echo "fresh_clone_check: $repo @ $ref -> $clone"
 cwd="$work" step clone git clone --quiet --no-hardlinks "$repo" "$clone"
 step checkout git -c advice.detachedHead=false checkout --quiet "$ref"
-mapfile -t setup < <(readme_block "## Set up and run" "$clone/README.md")
-mapfile -t testcmd < <(readme_block "## Test" "$clone/README.md")
+mapfile -t setup < <(readme_block setup "$clone/README.md")
+mapfile -t testcmd < <(readme_block tests "$clone/README.md")
 [[ ${#setup[@]} -ge 2 && ${#testcmd[@]} -ge 1 ]] || { echo "fresh_clone_check: README blocks not found" >&2; exit 1; }
 echo "install:  ${setup[0]}"
 echo "main job: ${setup[1]}"

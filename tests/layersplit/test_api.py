@@ -5,19 +5,16 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 import layersplit
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+from tests.readme_blocks import readme_block
 
 
 def _readme_example() -> str:
-    text = README.read_text()
-    section = text[text.index("## Python API"):]
-    return re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    return readme_block("python-api")
 
 
 @pytest.mark.timeout(300)

@@ -26,15 +26,13 @@ else:
 from layersplit.plan.config import load_model  # noqa: E402
 from layersplit.sglang_plugin import landing, register, unregister  # noqa: E402
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+from tests.readme_blocks import readme_block  # noqa: E402
 TEST_ONLY = ["--device", "cuda", "--skip-tokenizer-init"]
 
 
 def readme_command() -> list[str]:
-    """The arguments of the ``python -m sglang.launch_server`` line in the README's plug-in section."""
-    section = README.read_text().split("## SGLang plug-in", 1)[1]
-    block = section.split("```bash", 1)[1].split("```", 1)[0]
-    text = re.sub(r"\\\n", " ", block)  # continuation lines
+    """The arguments of the ``python -m sglang.launch_server`` line of the README's ``sglang-launch`` block."""
+    text = re.sub(r"\\\n", " ", readme_block("sglang-launch"))  # continuation lines
     line = next(ln for ln in text.splitlines() if "sglang.launch_server" in ln)
     args = shlex.split(line.split("#", 1)[0])
     return args[args.index("sglang.launch_server") + 1:]
