@@ -148,6 +148,7 @@ def test_index_keys_bytes_equal_torch(device, in_dtype, n, pages, first, kind):
 @pytest.mark.parametrize("kv_dtype", ["fp8", "bf16"])
 @pytest.mark.parametrize("in_dtype", [torch.bfloat16, torch.float32], ids=["bf16-in", "fp32-in"])
 @pytest.mark.parametrize("n,pages,first,kind", SHAPES, ids=SHAPE_IDS)
+@pytest.mark.slow
 def test_mla_rows_bytes_equal_torch(device, kv_dtype, in_dtype, n, pages, first, kind):
     gen = torch.Generator().manual_seed(n * 17 + len(kind))
     lat, rope = (512, 64) if n == 1 else (256, 32)

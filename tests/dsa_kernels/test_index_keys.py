@@ -45,6 +45,7 @@ def test_quantize_layout_exact(backend, device, n, d, pages):
 
 
 @pytest.mark.parametrize("n,d,pages", SHAPES, ids=IDS)
+@pytest.mark.slow
 def test_dequantize_round_trip_exact(backend, device, n, d, pages):
     gen = torch.Generator().manual_seed(n + 3 * d)
     keys = fp8_exact_rows(n, d, gen).to(torch.bfloat16).float()  # also bf16-representable

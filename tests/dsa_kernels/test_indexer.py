@@ -136,6 +136,7 @@ def test_scores_match_deepseek(backend, device, name):
 
 
 @pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.slow
 def test_topk_sets_equal_deepseek_except_ties(backend, device, monkeypatch, name):
     """Chunked ``indexer_topk`` (small chunks and query blocks: several merges per row) selects
     DeepSeek's sets; a position may differ only where its score ties the row's k-th score."""
@@ -152,6 +153,7 @@ def test_topk_sets_equal_deepseek_except_ties(backend, device, monkeypatch, name
 
 
 @pytest.mark.parametrize("chunk,query_block", [(5, 2), (64, 64), (1000, 1000)])
+@pytest.mark.slow
 def test_chunked_topk_equals_unchunked(backend, device, monkeypatch, chunk, query_block):
     """Same scores, any chunking: the running merge gives exactly ``topk_indices`` of the whole row,
     order and tie rule included (ties are common: a key whose every head is relu'd to 0 scores 0)."""

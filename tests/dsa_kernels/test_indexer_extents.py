@@ -30,6 +30,7 @@ def test_query_block_extents_refuses_device_tensor():
 
 @pytest.mark.parametrize("name,chunk,query_block", [("three-requests", 48, 5), ("four-requests-d64", 16, 7),
                                                     ("page-boundary-65-k2048", 1000, 2048)])
+@pytest.mark.slow
 def test_given_extents_equal_computed(backend, device, monkeypatch, name, chunk, query_block):
     monkeypatch.setenv("LAYERSPLIT_KERNEL_BACKEND", backend)
     case = CASES[name]

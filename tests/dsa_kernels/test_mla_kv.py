@@ -31,6 +31,7 @@ def expected_fp8_row(kv_c: torch.Tensor, k_pe: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("kv_dtype", ["bf16", "fp8"])
 @pytest.mark.parametrize("n,lat,rope", SHAPES, ids=IDS)
+@pytest.mark.slow
 def test_pack_exact_and_round_trip(backend, device, kv_dtype, n, lat, rope):
     kv_c, k_pe, slots = make(n, lat, rope, seed=n + lat)
     width = layout.mla_row_bytes(lat, rope, kv_dtype)

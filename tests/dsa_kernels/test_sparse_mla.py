@@ -48,6 +48,7 @@ def oracle(q, kv, idx, sm_scale, lat):
 
 
 @pytest.mark.parametrize("name", list(SHAPES))
+@pytest.mark.slow
 def test_matches_oracle(backend, device, name):
     t, h, k, lat, rope, rows = SHAPES[name]
     q, kv, idx = build(t, h, k, lat, rope, rows, seed=t * 31 + h)

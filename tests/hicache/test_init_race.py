@@ -75,6 +75,7 @@ def test_teeth_loader_without_its_init_wait(rt):
     print(hits[0])
 
 
+@pytest.mark.slow
 def test_teeth_stress_without_the_init_wait():
     """The stress under the sanitizer: clean with the loader's init wait
     (``test_stress_is_clean_under_the_sanitizer``), the zero fill reported without it, every run."""

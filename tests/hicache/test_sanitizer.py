@@ -175,6 +175,7 @@ def _stress(unsafe: frozenset[str] = frozenset(), seed: int = 3):
     return run_stress(SPEC, cfg)
 
 
+@pytest.mark.slow
 def test_stress_is_clean_under_the_sanitizer():
     report = _stress()
     assert report.sanitizer_hazards == 0, "\n".join(report.sanitizer_hazard_list)
@@ -183,6 +184,7 @@ def test_stress_is_clean_under_the_sanitizer():
 
 @pytest.mark.parametrize("unsafe, reader", [("indexer", "read_index_keys"), ("kv", "sparse_mla_prefill"),
                                             ("fence", "fill_pages")])
+@pytest.mark.slow
 def test_teeth_stress_unsafe_switch_reported_without_stalls(unsafe, reader):
     """Indexer (or attention) before the HiCache load, or a load into pages the previous forward
     still reads: reported on every run, with no random stall."""

@@ -23,6 +23,7 @@ def tiny_run(unsafe: set[str], seed: int = 0, loads: int = LOADS):
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.slow
 def test_with_waits_no_corruption():
     r = tiny_run(set())
     assert r.layers_loaded >= LOADS and r.outputs_checked == r.layers_loaded
@@ -31,6 +32,7 @@ def test_with_waits_no_corruption():
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("unsafe", [{"indexer"}, {"kv"}, {"fence"}], ids=["skip-indexer", "skip-kv", "skip-fence"])
+@pytest.mark.slow
 def test_without_a_safeguard_corruption_is_detected(unsafe):
     r = tiny_run(unsafe)
     print(f"unsafe_skip={sorted(unsafe)}: {r.corrupted_outputs}/{r.outputs_checked} corrupted "

@@ -99,6 +99,7 @@ def test_slots_map_back_to_positions():
 
 # the stress with the stand-in -----------------------------------------------------------------------
 @pytest.mark.timeout(180)
+@pytest.mark.slow
 def test_high_tie_topk_with_every_wait_is_not_corruption(high_ties):
     r = tiny_run(set())
     print(f"ties toward the higher position: {high_ties.changed} top-k calls chose differently, "
@@ -110,6 +111,7 @@ def test_high_tie_topk_with_every_wait_is_not_corruption(high_ties):
 
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("unsafe", ["indexer", "kv", "fence"], ids=["skip-indexer", "skip-kv", "skip-fence"])
+@pytest.mark.slow
 def test_high_tie_topk_each_removed_wait_is_detected(high_ties, unsafe):
     r = tiny_run({unsafe})
     print(f"unsafe_skip={unsafe}: {r.corrupted_outputs}/{r.outputs_checked} corrupted, "

@@ -18,6 +18,7 @@ def _readme_example() -> str:
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.slow
 def test_readme_example_runs(capsys):
     code = _readme_example()
     assert len([line for line in code.splitlines() if line.strip()]) <= 6  # import + the 5-line example
@@ -36,6 +37,7 @@ def _check_output(out: list[str]) -> None:
 
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("how", ["file", "stdin"])
+@pytest.mark.slow
 def test_readme_example_as_a_user_runs_it(how, tmp_path):
     """In a fresh interpreter, from another folder: saved as a script (no ``__main__`` guard) and
     piped to ``python -``. The rank processes must not re-import the caller's ``__main__``."""

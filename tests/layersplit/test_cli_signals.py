@@ -52,6 +52,7 @@ READY = "rank(s) joined the group, computing"
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("sig,code,word", [(signal.SIGINT, 130, "interrupted"), (signal.SIGTERM, 143, "terminated")])
+@pytest.mark.slow
 def test_interrupt_ends_rank_processes(sig, code, word):
     cmd = [sys.executable, "-m", "layersplit", "prefill", "--cp", "2", "--mode", "layersplit",
            "--context-len", "65536", "--json"]

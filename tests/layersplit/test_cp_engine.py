@@ -73,6 +73,7 @@ def deviation(res, ref) -> float:
 @pytest.mark.parametrize("cp", [2, 4])
 @pytest.mark.parametrize("mode", ["redundant", "layersplit"])
 @pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.slow
 def test_matches_single_process_reference(cp, mode, case):
     sc, res, ref = run(cp)[f"{mode}/{case}"]
     assert res.hidden.shape == (sum(len(r.new_tokens) for r in sc.requests), TINY.hidden_size)
@@ -175,6 +176,7 @@ def coherence_run(unsafe: bool):
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.slow
 def test_reload_bytes_per_layer_follow_ownership():
     """Each rank reloads exactly its owned layers' prefix rows, per layer (the counters the sweep's
     reload-spread columns read): contiguous ownership puts all of a rank's reload in its first block."""
@@ -195,6 +197,7 @@ def test_hicache_coherence_wait_keeps_poison_away():
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.slow
 def test_hicache_coherence_unsafe_flag_detected():
     res, ref = coherence_run(unsafe=True)
     bad = torch.isnan(res.hidden).any() or (res.hidden - ref.hidden).abs().max() > 1e-4 * ref.hidden.abs().max()
@@ -202,6 +205,7 @@ def test_hicache_coherence_unsafe_flag_detected():
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.slow
 def test_prefill_cli(tmp_path, capsys):
     from layersplit.cli.app import main
     import json

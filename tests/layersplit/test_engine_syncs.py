@@ -101,6 +101,7 @@ TORCH_REFERENCE_REMAINING = {  # dsa_kernels/reference/indexer.py indexer_scores
 
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("backend", ["triton", "torch"])
+@pytest.mark.slow
 def test_one_rank_prefill_syncs(backend, monkeypatch):
     """Every host sync of one forward, per site; the Triton backend is the path a GPU takes (the
     interpreter's own emulation of loads and stores is not counted), torch the CPU fallback."""

@@ -49,6 +49,7 @@ def dry_run(tmp_path_factory):
 
 
 @pytest.mark.timeout(420)
+@pytest.mark.slow
 def test_dry_run_every_section_ok(dry_run):
     _, rc, report = dry_run
     assert rc == 0 and report["mode"] == "cpu-dry-run" and report["device"] == "cpu"
@@ -81,6 +82,7 @@ def test_dry_run_every_section_ok(dry_run):
 
 
 @pytest.mark.timeout(420)
+@pytest.mark.slow
 def test_dry_run_kernels_correct_on_both_backends(dry_run):
     result = dry_run[2]["sections"]["kernels"]["result"]
     rows = result["rows"]
@@ -95,6 +97,7 @@ def test_dry_run_kernels_correct_on_both_backends(dry_run):
 
 
 @pytest.mark.timeout(420)
+@pytest.mark.slow
 def test_dry_run_stress_and_overlap(dry_run):
     sections = dry_run[2]["sections"]
     stress = sections["hicache_stress"]["result"]
@@ -106,6 +109,7 @@ def test_dry_run_stress_and_overlap(dry_run):
 
 
 @pytest.mark.timeout(420)
+@pytest.mark.slow
 def test_dry_run_outputs_flat_and_few(dry_run):
     out, _, report = dry_run
     entries = list(out.iterdir())

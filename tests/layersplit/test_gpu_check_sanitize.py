@@ -63,6 +63,7 @@ def test_clean_engine_under_csan_counts_zero(monkeypatch):
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.slow
 def test_stress_whole_buffer_fence_clean_and_the_fence_tooth_still_bites():
     """``fence_previous_forward`` (the CSAN run's setting) adds an ordering, never a hazard; with the
     reuse fences removed (which removes it too) the emulated sanitizer still reports the reuse."""

@@ -127,6 +127,7 @@ def test_quiet_rank_prefers_non_owned_indexer_layers():
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.slow
 def test_measure_overlapped_hides_the_stall(one_thread):
     assert not dist.is_initialized()  # world 2 without a process group: the loopback transport
     out = link_overlap.measure(1024, runtime="emulated", repeats=5)
@@ -142,6 +143,7 @@ def test_measure_overlapped_hides_the_stall(one_thread):
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.slow
 def test_teeth_overlapped_run_as_legacy_fails(one_thread, monkeypatch):
     real = link_overlap.engine_config
     monkeypatch.setattr(link_overlap, "engine_config",
@@ -160,6 +162,7 @@ def test_verdict_thresholds():
 
 @pytest.mark.parametrize("schedule", SCHEDULES)
 @pytest.mark.parametrize("rank", [0, 1])
+@pytest.mark.slow
 def test_engine_with_loopback_is_sanitizer_clean(rt, sanitized, schedule, rank):
     """Loopback copies into the receive buffers are comm-stream work ordered as the collectives are."""
     model = load_model("tiny")

@@ -65,6 +65,7 @@ def run(cp: int, teeth: bool = False):
 
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("cp", [1, 2, 4])
+@pytest.mark.slow
 def test_engine_clean_under_the_sanitizer(cp):
     for name, (sc, res) in run(cp).items():
         hazards = sorted({h for r in res.ranks for h in r.hazards})
@@ -76,6 +77,7 @@ def test_engine_clean_under_the_sanitizer(cp):
 
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("name", list(TEETH))
+@pytest.mark.slow
 def test_teeth_engine_edge_removed_is_reported(name):
     runs = run(2, teeth=True)
     must = TEETH[name][2]

@@ -72,6 +72,7 @@ def test_reload_bytes_per_rank_follow_held_layers(mode):
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.slow
 def test_real_and_model_agree_on_counted_values():
     """Same workload, same batches: bytes reloaded per rank and bytes broadcast agree exactly, with
     upstream's contiguous ownership and with round-robin (the engine runs both)."""

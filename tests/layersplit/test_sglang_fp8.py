@@ -44,6 +44,7 @@ def _combined_rows(pool, seed: int) -> None:
             pool.set_mla_kv_buffer(layer, loc, row[..., :512], row[..., 512:])
 
 
+@pytest.mark.slow
 def test_fp8_owned_layers_byte_identical_to_sglangs_fp8_pool():
     ref = compat.resolve("dsa_pool")(SIZE, **FP8)
     assert ref.dsa_kv_cache_store_fp8 and ref.kv_buffer[0].shape[-1] == 656
@@ -65,6 +66,7 @@ def test_fp8_owned_layers_byte_identical_to_sglangs_fp8_pool():
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.slow
 def test_fp8_every_layer_identical_on_every_rank_after_gloo_broadcast():
     """Two CP ranks (processes, gloo), batch landing: every layer each rank reads, owned or broadcast
     as fp8 bytes, equals SGLang's single-process fp8 pool on the batch's pages."""
@@ -76,6 +78,7 @@ def test_fp8_every_layer_identical_on_every_rank_after_gloo_broadcast():
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.slow
 def test_fp8_pd_transfer_of_owned_layers_equals_redundant_fp8_prefill():
     pages, remap = [0, 2, 5], {0: 3, 2: 4, 5: 7}
     split, who = _decode_receives(2, pages, remap, kv_dtype="fp8")

@@ -125,6 +125,7 @@ def _worker(rank: int, port: int, queue) -> None:
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.slow
 def test_remapped_path_hands_attention_and_indexer_the_same_rows():
     """Both ranks, every layer: the rows attention gathers (ragged and paged tables) and the keys the
     indexer reads are byte-identical with batch landing (slots, remapped tables), with upstream's

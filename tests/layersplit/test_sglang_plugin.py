@@ -66,6 +66,7 @@ def make_pool(rank: int, world: int = 2):
         return make_pool_class()(SIZE, **pool_kwargs(), layer_shard_rank=rank, layer_shard_size=world)
 
 
+@pytest.mark.slow
 def test_owned_layers_byte_identical_to_upstream_pool():
     ref = reference_pool()
     shard_range = __import__("sglang.srt.layers.cp.utils", fromlist=["x"]).get_layer_shard_range
@@ -136,6 +137,7 @@ def test_answers_what_sglang_calls():
         assert callable(getattr(pool, name)), name
 
 
+@pytest.mark.slow
 def test_pd_transfer_union_equals_redundant():
     """Each rank reports only its owned layers; the union covers every layer exactly once, with the
     same bytes a redundant pool would send."""
@@ -210,6 +212,7 @@ def run_broadcast(mode: str, landing: str = "batch", kv_dtype: str = "bf16") -> 
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("mode,landing", [("pages", "batch"), ("pages", "pool"), ("whole", "pool")])
+@pytest.mark.slow
 def test_non_owned_layers_after_gloo_broadcast(mode, landing):
     """Two CP ranks (processes, gloo): every layer each rank reads, owned or broadcast, equals a
     single-process upstream pool on the batch's pages (batch landing: where the remapped tables
@@ -470,6 +473,7 @@ def _decode_receives(world: int, pages: list[int], remap: dict[int, int], kv_dty
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.slow
 def test_pd_transfer_of_layer_split_prefill_equals_redundant():
     """Two layer-split prefill ranks (processes) each send only their owned layers into one decode
     pool; the decode pool ends up byte-identical to what one redundant prefill sends."""
@@ -565,6 +569,7 @@ def test_indexer_key_path_waits_only_for_indexer_keys():
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.slow
 def test_staging_slot_events_under_real_asynchrony():
     """The pool's side-stream broadcasts (gloo, on an emulated stream with random stalls, while the
     owners' prefix pages reload from host on an emulated load stream): every layer read equals the
@@ -618,6 +623,7 @@ def test_hicache_adapter_clean_under_the_sanitizer():
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.slow
 def test_pool_clean_under_the_sanitizer():
     """The plug-in pool's staged broadcasts on two gloo ranks with HiCache reloads, sanitized, no stalls:
     no unordered access; each unsafe wait is reported even when no stale row happens to be read."""

@@ -57,6 +57,7 @@ def _worker(rank: int, port: int, queue) -> None:
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.slow
 def test_upstream_layer_split_serves_fp8_on_the_contract_path():
     ctx = mp.get_context("spawn")
     queue, port = ctx.Queue(), _port()

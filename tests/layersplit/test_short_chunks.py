@@ -32,6 +32,7 @@ def run(cp: int) -> dict:
 
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("cp", sorted(COUNTS))
+@pytest.mark.slow
 def test_ranks_without_new_tokens(cp):
     for name, (res, ref) in run(cp).items():
         n = int(name.split("/")[1])

@@ -40,6 +40,7 @@ def test_model_engine_gain_grows_with_length(tmp_path, capsys):
 
 
 @pytest.mark.timeout(600)  # three paired repeats on 2 shared cores
+@pytest.mark.slow
 def test_real_engine_default_config_shape(tmp_path, capsys):
     points = run(tmp_path, capsys, small(tmp_path, "cpu", lengths=[40000], requests=6, sessions=3))
     assert {p["kind"] for p in points} == {"measured"} and len(points) == 2

@@ -84,6 +84,7 @@ CASES = [(cp, f"{mode}/{where}") for cp in (1, 2, 4) for mode in ("redundant", "
 
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("cp,name", CASES)
+@pytest.mark.slow
 def test_triton_engine_matches_torch_engine_sanitized(cp, name):
     res, ref = run(cp)[name], torch_reference(name)
     assert not torch.isnan(res.hidden).any(), "NaN in the Triton engine's output"

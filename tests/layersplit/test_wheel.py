@@ -4,6 +4,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 import json
 import os
 import shutil
@@ -52,6 +54,7 @@ def _run(args: list[str], cwd: Path, site: Path) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.slow
 def test_wheel_ships_configs_and_runs_outside_the_repo(tmp_path):
     wheel = _build_wheel(tmp_path)
     names = set(zipfile.ZipFile(wheel).namelist())

@@ -45,6 +45,7 @@ def held_out() -> Counter:
     return _ends(WalkPlan(2_000, seed=99))  # walks independent of every sample below
 
 
+@pytest.mark.slow
 def test_the_walks_end_only_in_classes_the_exhaustive_search_has(held_out):
     terminal: set = set()
     assert run_check(ONE_FAULT, terminal_classes=terminal)["complete"]

@@ -79,6 +79,7 @@ def test_ci_bound_explores_every_interleaving_without_a_violation():
 
 
 @pytest.mark.parametrize("name", list(TEETH))
+@pytest.mark.slow
 def test_unsafe_variant_has_a_counterexample(name):
     """With every reduction on (partial order included) each unsafe variant still breaks; its shortest
     counterexample (a re-run without the partial-order reduction, if that one was in force) is never longer
@@ -107,6 +108,7 @@ def test_recorded_counterexample_replays(name):
     assert safe["violation"] == [], safe
 
 
+@pytest.mark.slow
 def test_reductions_lose_no_state_class(symmetry=False, stale=False):
     """The run with every reduction reaches the same classes of states (states up to a renaming of ranks
     and request ids, blind to stale events) as the exhaustive one, in fewer states (each reduction alone:
@@ -137,6 +139,7 @@ def _terminal_classes(bounds: CheckBounds) -> tuple[dict, set]:
 
 
 @pytest.mark.parametrize("bound", list(POR_BOUNDS))
+@pytest.mark.slow
 def test_partial_order_reduction_keeps_every_terminal_class(bound):
     bounds = POR_BOUNDS[bound]
     plain, every = _terminal_classes(replace(bounds, por=False))
@@ -150,6 +153,7 @@ _SAME_FOR_ANY_WORKERS = ("states", "depth", "transitions", "terminal_states", "p
                          "por_reduced_states", "por_proviso_expansions", "frontier_sizes", "complete", "violations")
 
 
+@pytest.mark.slow
 def test_worker_processes_explore_exactly_the_serial_search():
     """Two forked workers per level (each level split into spans of a few states, merged in order) reach the
     same states, transitions, reduced states and proviso expansions, level by level, and the same classes:
@@ -189,6 +193,7 @@ def _wrong_entry_loses_classes(bounds: CheckBounds, wrong_entry) -> dict:
     return result
 
 
+@pytest.mark.slow
 def test_a_wrong_independence_entry_fails_the_cross_check():
     """The reduction's teeth: declaring a rank's landing writes local (they read decode's page owner) and
     dropping the non-empty-queue condition prunes interleavings the protocol needs: terminal classes are lost."""
@@ -196,6 +201,7 @@ def test_a_wrong_independence_entry_fails_the_cross_check():
 
 
 @pytest.mark.parametrize("bound", ["fault", "two_requests"])
+@pytest.mark.slow
 def test_a_wrong_quiet_delivery_fails_the_cross_check(bound, monkeypatch):
     """The quiet-delivery set's teeth: taking every delivery into decode as quiet (a TransferDone from an
     owner completes a request, an AbortAck releases pages) loses terminal classes; the real set keeps them
@@ -244,6 +250,7 @@ def test_interleavings_of_independent_steps_hash_alike():
     assert fingerprint(a) != fingerprint(b)
 
 
+@pytest.mark.slow
 def test_candidate_renamings_give_the_orbit_classes():
     """The symmetry fingerprint minimises over the renamings that sort a naming-independent key, not over
     the whole group: over every state within 4 steps of the start at 2 ranks x 2 requests x 2 faults (then
@@ -335,6 +342,7 @@ UNREACHABLE = dict(prefill_ranks=1, requests=1, faults=1, cancels=0, retries=0, 
                    fence_unreachable=True)
 
 
+@pytest.mark.slow
 def test_fencing_an_unreachable_rank_is_safe_and_live():
     result = run_check(CheckBounds(**UNREACHABLE))
     assert result["complete"] and result["violations"] == [] and result["terminal_states"] > 0

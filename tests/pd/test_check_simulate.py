@@ -54,6 +54,7 @@ def test_every_guard_but_the_stale_free_check_is_listed():
 
 
 @pytest.mark.parametrize("variant", sorted(FOUND_AT_TARGET))
+@pytest.mark.slow
 def test_walks_find_every_unsafe_variant_at_the_target_bound(variant):
     """The breadth-first search reaches only the shallow ones at this bound in minutes (README); walks find
     each, and its shortened trace replays to the same kind of violation."""
@@ -123,6 +124,7 @@ def test_a_bad_plan_is_refused_naming_the_field(field, value):
         WalkPlan(**kwargs)
 
 
+@pytest.mark.slow
 def test_the_walks_reach_only_states_the_exhaustive_search_has_and_most_of_its_terminal_classes():
     """The cross-check of the walks' step rule against the breadth-first search: at a bound both can do
     (one fault), every state class a walk reaches is one the exhaustive search (no partial-order reduction)

@@ -116,6 +116,7 @@ def peak_records(requests: int) -> int:
 
 
 @pytest.mark.parametrize("guarded", [True, False], ids=["guarded", "unguarded"])
+@pytest.mark.slow
 def test_prefill_memory_stays_flat(guarded, monkeypatch):
     if not guarded:
         monkeypatch.setattr(RoomBook, "advance", lambda self, floor: None)  # never prune

@@ -28,6 +28,7 @@ def test_b_a_dead_writers_bytes_still_land_while_decode_is_stalled():
     assert r["last_change_s_after_death"] >= 1.0, r
 
 
+@pytest.mark.slow
 def test_b_deregistration_on_resume_is_a_fence_for_release():
     """The same stall and kill, and decode deregisters its pages as its first act on resuming: the dead
     writer's buffered bytes may land before the deregistration returns, but none lands after it — so

@@ -28,6 +28,7 @@ def _events(report):
     return [(e["event"], e.get("process", e.get("endpoint"))) for e in report["faults"]]
 
 
+@pytest.mark.slow
 def test_kills_a_partition_and_drops_leave_no_overwrite_leak_or_held_page(tmp_path):
     report = _storm(tmp_path, kill=((1, 0.8),), partition=((0, 2.0, 0.5),), restart_decode=(2.4,))
     assert failures(report) == [], report
@@ -45,6 +46,7 @@ def test_kills_a_partition_and_drops_leave_no_overwrite_leak_or_held_page(tmp_pa
     # clean-clone CI run met 0 engine errors); what matters, no late write on a released page, is failures().
 
 
+@pytest.mark.slow
 def test_a_rank_down_past_its_lease_is_fenced_by_deregistration(tmp_path):
     report = _storm(tmp_path, fence_after_s=1.0, outage=((1, 1.0, 4.0),))
     assert failures(report) == [], report
@@ -53,6 +55,7 @@ def test_a_rank_down_past_its_lease_is_fenced_by_deregistration(tmp_path):
     assert report["registry"]["expiries"] == 1 and report["final_outcomes"] == 200
 
 
+@pytest.mark.slow
 def test_a_partitioned_rank_that_holds_its_lease_is_fenced_as_unreachable_and_comes_back_new(tmp_path):
     """The proxy cuts rank 1's control link for 4 s; its heartbeats still reach the bootstrap server, so
     its lease never expires. With the unreachable fence at 1 s decode deregisters its regions, the
@@ -77,6 +80,7 @@ FROZEN = dict(requests=200, seed=1, topology=PrefillTopology(((0,), (1,))), rest
               decode=DecodeConfig(fence_after_s=1.0, num_pages=4096))
 
 
+@pytest.mark.slow
 def test_a_frozen_rank_past_its_lease_is_fenced_and_exits_revoked_when_it_runs_again(tmp_path):
     """SIGSTOP rank 1 for 5 s (its link cut too): its heartbeats starve, the lease (2 s) expires while the
     process lives, decode fences it 1 s later by deregistration and releases its pages; on SIGCONT what it
@@ -96,6 +100,7 @@ def test_a_frozen_rank_past_its_lease_is_fenced_and_exits_revoked_when_it_runs_a
     # here failures() holds them to 0 late writes and 0 overwrites either way.
 
 
+@pytest.mark.slow
 def test_with_the_fence_kept_registered_the_frozen_ranks_writes_land_on_released_pages(tmp_path):
     """The teeth of the test above: the same freeze with ``fence-refuses-writes`` off (UNSAFE: decode fences
     by record only and keeps the rank's regions registered). Decode still releases what the rank was told;
@@ -108,6 +113,7 @@ def test_with_the_fence_kept_registered_the_frozen_ranks_writes_land_on_released
     assert all(e["owner"] is None for e in report["overwrite_log"] if e["kind"] == "late_writes_on_free_pages")
 
 
+@pytest.mark.slow
 def test_a_rank_killed_for_good_is_fenced_and_nothing_is_held_at_the_end(tmp_path):
     """SIGKILL rank 1 and never restart it: its lease lapses (2 s), decode fences it 1 s later by
     deregistration and releases what it was told; every request still ends, and nothing is held."""
@@ -129,6 +135,7 @@ def test_a_restart_delay_is_seconds_or_never():
         StormFaults(restart_after_s=-1.0)
 
 
+@pytest.mark.slow
 def test_the_legacy_immediate_release_is_caught_on_real_memory(tmp_path):
     report = _storm(tmp_path, legacy_immediate_release=True, kill=((1, 1.0),))
     assert report["overwrites"] > 0, report  # late writes of aborted requests on released pages
@@ -157,6 +164,7 @@ def test_the_cli_refuses_a_simulation_only_guard_on_the_real_pair(capsys):
         RealRun(PDStressConfig(requests=1), guards_off=("owners-only",))
 
 
+@pytest.mark.slow
 def test_the_cli_runs_a_small_real_storm(tmp_path, capsys):
     import json
 

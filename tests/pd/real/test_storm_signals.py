@@ -28,6 +28,7 @@ def _default_signals() -> None:
 
 
 @pytest.mark.parametrize("sig,code,word", [(signal.SIGINT, 130, "interrupted"), (signal.SIGTERM, 143, "terminated")])
+@pytest.mark.slow
 def test_interrupt_ends_every_process_of_the_pair(tmp_path, sig, code, word):
     run = tmp_path / "run"
     cmd = [sys.executable, "-m", "layersplit", "stress", "pd", "--transport", "mooncake", "--requests", "100000",

@@ -20,6 +20,7 @@ pytestmark = pytest.mark.timeout(90)
 PAGES, PAGE_BYTES = 256, 64 << 10
 
 
+@pytest.mark.slow
 def test_a_timed_out_status_is_not_the_end_of_the_batch():
     r = probes.after_timeout(count=PAGES, page_bytes=PAGE_BYTES, timeout_s=5, watch_s=1.0)
     assert r["warm_status"] == 0 and r["status"] < 0 and r["waited_s"] >= 5.0, r
@@ -28,6 +29,7 @@ def test_a_timed_out_status_is_not_the_end_of_the_batch():
 
 
 @pytest.mark.parametrize("unsafe", [False, True], ids=["guarded", "UNSAFE-quiesce-on-timeout"])
+@pytest.mark.slow
 def test_the_adapter_keeps_a_timed_out_batch_in_flight(unsafe):
     from pd.abort.real.engine import open_engine
     from pd.abort.real.mooncake_engine import DecodeLayout, MooncakeEngine
