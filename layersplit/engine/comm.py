@@ -82,7 +82,7 @@ class DistTransport:
     process group's."""
 
     def bind(self, rank: int, world_size: int) -> None:
-        pass
+        """Nothing to keep: the process group already knows this rank and the world size."""
 
     def group(self, channel: str):
         return kv_group() if channel == "kv" else None  # None: the default group
