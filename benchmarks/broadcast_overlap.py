@@ -35,7 +35,7 @@ import sys
 from dsa_kernels.layout import PAGE_SIZE
 from layersplit.engine.engine import SCHEDULES, EngineConfig, FaultInjection
 from layersplit.engine.launcher import Scenario, run_cp
-from layersplit.engine.ownership import plan_ownership
+from layersplit.plan.ownership import plan_ownership
 from layersplit.engine.requests import synthetic_requests
 from layersplit.plan.config import load_model
 

@@ -30,7 +30,7 @@ from hicache.device_pool import DSADevicePool
 from hicache.host_pool import DSAHostPool
 from hicache.load_pipeline import LayerwiseLoader, compute_ready
 from hicache.paged_buffers import DSACacheSpec
-from hicache.streams import get_runtime
+from hicache.runtime.streams import get_runtime
 
 
 class Bench:

@@ -1,7 +1,7 @@
 """Per-step speculative-decoding monitor in SGLang's scheduler: what it costs per request-step, and how much
 earlier it stops a faulty request than the completion-time adapter.
 
-1. Detection (SYNTHETIC requests from pd/spec_synth, a tiny seeded draft/target pair with injected faults):
+1. Detection (SYNTHETIC requests from layersplit/pd/spec/synth.py, a tiny seeded draft/target pair with injected faults):
    for one garbled and one looping request, the verify step and token count at which the per-step hook
    aborted it (real ``Req``, SGLang's own ``_resolve_spec_v2_tokens`` and ``update_finish_state``), vs the
    completion-time adapter, which judges the same request once it has generated all of its tokens.
@@ -34,12 +34,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from layersplit.sglang_plugin import compat, register, spec_monitor, spec_step, unregister  # noqa: E402
-from layersplit.sglang_plugin.monitor import MetaInfoMonitor  # noqa: E402
-from layersplit.sglang_plugin.spec_drive import (  # noqa: E402
+from layersplit.sglang_plugin import compat, register, spec_monitor, unregister  # noqa: E402
+from layersplit.sglang_plugin.spec import step as spec_step  # noqa: E402
+from layersplit.sglang_plugin.spec.completion import MetaInfoMonitor  # noqa: E402
+from layersplit.sglang_plugin.spec.drive import (  # noqa: E402
     VerifyDriver, completion_time_meta, make_req, run_request, spec_published)
-from pd.spec.monitor_config import load_monitor_config  # noqa: E402
-from pd.spec.evaluate import make_traces  # noqa: E402
+from layersplit.pd.spec.monitor_config import load_monitor_config  # noqa: E402
+from layersplit.pd.spec.evaluate import make_traces  # noqa: E402
 
 DRAFT = 4
 
@@ -179,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def format_report(report: dict) -> str:
-    lines = ["Detection, SYNTHETIC requests (pd/spec_synth; not production data): per-step hook vs "
+    lines = ["Detection, SYNTHETIC requests (layersplit/pd/spec/synth.py; not production data): per-step hook vs "
              "completion-time adapter",
              f"{'request':<14}{'onset tok':>10}{'hook step':>10}{'hook tok':>9}  {'verdict':<11}"
              f"{'compl. step':>12}{'compl. tok':>11}  {'verdict':<11}"]

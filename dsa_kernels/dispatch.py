@@ -22,7 +22,7 @@ Three things wrap every resolved function, so they hold on whichever backend run
   (tests only) turns the lock off, so the concurrency test can show the collision it prevents.
   Inside the lock, a **launch hook** (:func:`set_launch_hook`) may wrap the launch: the stream
   sanitizer declares there what the kernel really reads and writes, because the interpreter copies
-  every tensor argument in and out whole (``hicache.kernel_accesses``).
+  every tensor argument in and out whole (``hicache.sanitizer.kernel_accesses``).
 * **Triton and vendor calls go through the PyTorch dispatcher** as custom ops
   (``torch.ops.dsa_kernels.*``, registered by ``dsa_kernels.custom_ops`` on first resolve), whose
   schemas name the tensors each op writes: CUDA's stream sanitizer, the profiler and
@@ -52,7 +52,7 @@ _LAUNCH_HOOK: Callable | None = None  # (op, args, kwargs) -> context manager ar
 
 def set_launch_hook(hook: Callable | None) -> None:
     """``hook(op, args, kwargs)`` returns a context manager entered around every interpreted Triton
-    launch, under the interpreter lock; ``None`` removes it. Used by ``hicache.kernel_accesses``."""
+    launch, under the interpreter lock; ``None`` removes it. Used by ``hicache.sanitizer.kernel_accesses``."""
     global _LAUNCH_HOOK
     _LAUNCH_HOOK = hook
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections import deque
 
-from hicache.streams import Event
+from hicache.runtime.streams import Event
 
 
 class OutOfPages(RuntimeError):

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 from hicache.device_pool import DSADevicePool
 from hicache.host_pool import DSAHostPool
-from hicache.streams import Event, Runtime, Stream
+from hicache.runtime.streams import Event, Runtime, Stream
 from hicache.transfer import PageIds, copy_layer_part, host_ids
 
 UNSAFE_CHOICES = ("indexer", "kv", "fence", "init")

@@ -24,7 +24,7 @@ from dsa_kernels.layout import PAGE_SIZE
 from hicache.allocator import OutOfPages
 from hicache.device_pool import DSADevicePool
 from hicache.host_pool import DSAHostPool
-from hicache.streams import Event, Runtime
+from hicache.runtime.streams import Event, Runtime
 from hicache.transfer import PageIds, copy_layer_part
 
 _clock = itertools.count()

@@ -33,13 +33,14 @@ import torch
 
 from dsa_kernels import dispatch, indexer_scores, positions_to_slots, sparse_mla_prefill, topk_indices
 from dsa_kernels.layout import PAGE_SIZE
-from hicache import csan, sanitizer
+from hicache.sanitizer import csan
+from hicache import sanitizer
 from hicache.allocator import OutOfPages
 from hicache.device_pool import DSADevicePool
 from hicache.host_pool import DSAHostPool
 from hicache.load_pipeline import LayerLoad, LayerwiseLoader, compute_ready
 from hicache.paged_buffers import DSACacheSpec
-from hicache.streams import get_runtime
+from hicache.runtime.streams import get_runtime
 
 POISON = 0xFF
 # indexer scores off the torch reference (Triton on a GPU: fp8 values as exact bf16 operands, fp32
@@ -429,7 +430,7 @@ class _Harness:
 def run_stress(spec: DSACacheSpec, cfg: StressConfig, progress=None) -> StressReport:
     """Run the harness; see the module docstring. ``progress(n)`` is called with layers loaded.
     ``cfg.sanitize``: under the stream-ordering sanitizer; the report lists what it found. Under CUDA's
-    sanitizer (``TORCH_CUDA_SANITIZER=1``) the report lists every hazard CSAN found (:mod:`hicache.csan`)."""
+    sanitizer (``TORCH_CUDA_SANITIZER=1``) the report lists every hazard CSAN found (:mod:`hicache.sanitizer.csan`)."""
     if not cfg.sanitize and csan.active():
         with csan.collecting() as found:
             report = _Harness(spec, cfg).run(progress)

@@ -78,7 +78,7 @@ else
     step main-job-help bash -c "${setup[1]} --help"
 fi
 step plan .venv/bin/layersplit plan --model glm-5 --cp 8 --hardware h200
-step plan-config-json .venv/bin/layersplit plan --model tests/layersplit/model_configs/GLM-5 --cp 8 --hardware h200
+step plan-config-json .venv/bin/layersplit plan --model tests/layersplit/plan/model_configs/GLM-5 --cp 8 --hardware h200
 if [[ $tests -eq 1 ]]; then
     step tests bash -c "${testcmd[0]}"
 fi

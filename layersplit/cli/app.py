@@ -1,7 +1,8 @@
 """``layersplit`` command line. Subcommands: ``plan`` (KV capacity per CP rank), ``prefill`` (CP engine),
 ``sweep`` (the 40k-120k throughput sweep), ``stress hicache|pd|sglang-hicache|sglang-pool``,
-``monitor replay|eval``, ``check pd`` (every interleaving of the PD abort protocol at small bounds),
-``gpu-check`` (the prepared GPU check)."""
+``monitor replay|eval``, ``gpu-check`` (the prepared GPU check), ``sglang-plan``. The PD abort protocol's
+model checker and real-transport storms are maintainers' tools, run from a checkout: ``python -m
+tools.pd_check`` and ``python -m tools.pd_real``."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import threading
 
 from lsconfig.config_io import ConfigError
 from layersplit import __version__
-from layersplit.cli import check_cmd, gpu_check_cmd, monitor_cmd, options, plan_cmd, prefill_cmd, sglang_plan_cmd, stress_cmd, sweep_cmd
+from layersplit.cli import gpu_check_cmd, monitor_cmd, options, plan_cmd, prefill_cmd, sglang_plan_cmd, stress_cmd, sweep_cmd
 
 
 _int_at_least = options.int_at_least
@@ -28,7 +29,6 @@ def build_parser() -> argparse.ArgumentParser:
     prefill_cmd.add_parser(sub, _int_at_least)
     sweep_cmd.add_parser(sub, _int_at_least)
     monitor_cmd.add_parser(sub, _int_at_least)
-    check_cmd.add_parser(sub, _int_at_least)
     gpu_check_cmd.add_parser(sub, _int_at_least)
     sglang_plan_cmd.add_parser(sub, _int_at_least)
     return parser
@@ -52,25 +52,31 @@ def main(argv: list[str] | None = None) -> int:
     """Run one command; returns its exit status: 0 ok, 1 the check it ran failed, 2 bad input
     (one line naming the flag or config field), 3 incomplete (``gpu-check``: nothing failed, but a
     part it exists to check did not run), 130 interrupted (Ctrl-C), 143 terminated (SIGTERM)."""
-    parser = build_parser()
+    return run(build_parser(), argv, "layersplit")
+
+
+def run(parser: argparse.ArgumentParser, argv: list[str] | None, prog: str) -> int:
+    """Parse ``argv`` and run the chosen command (``args.func``) with the exit statuses of :func:`main`;
+    a bad value is one line ``PROG COMMAND: error: ...`` on stderr. The maintainers' tools in ``tools/``
+    run their own parsers through it, so they exit as the product does."""
     try:
         args = parser.parse_args(argv)
     except SystemExit as exc:  # argparse's usage errors (exit 2), --help and --version (exit 0)
         return int(exc.code or 0)
-    name = _command_name(args)
+    name = " ".join(w for w in (prog, _command_name(args)) if w)
     previous = None
     if threading.current_thread() is threading.main_thread():
         previous = signal.signal(signal.SIGTERM, _on_sigterm)
     try:
         return args.func(args)
     except (ConfigError, ValueError) as exc:
-        print(f"layersplit {name}: error: {exc}", file=sys.stderr)
+        print(f"{name}: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print(f"layersplit {name}: interrupted", file=sys.stderr)
+        print(f"{name}: interrupted", file=sys.stderr)
         return 130
     except Terminated:
-        print(f"layersplit {name}: terminated", file=sys.stderr)
+        print(f"{name}: terminated", file=sys.stderr)
         return 143
     except BrokenPipeError:  # the reader went away (``| head``): nothing more to say
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

@@ -33,8 +33,8 @@ def add_parser(sub: argparse._SubParsersAction, int_at_least) -> None:
 
 
 def run_replay(args: argparse.Namespace) -> int:
-    from pd.spec.monitor_config import default_config_path, load_monitor_config
-    from pd.spec.replay import format_results, load_records, replay, summarize
+    from layersplit.pd.spec.monitor_config import default_config_path, load_monitor_config
+    from layersplit.pd.spec.replay import format_results, load_records, replay, summarize
 
     cfg = load_monitor_config(args.config)
     records = load_records(args.file)
@@ -51,8 +51,8 @@ def run_replay(args: argparse.Namespace) -> int:
 
 
 def run_eval(args: argparse.Namespace) -> int:
-    from pd.spec.monitor_config import load_monitor_config
-    from pd.spec.evaluate import format_report, run_eval as evaluate
+    from layersplit.pd.spec.monitor_config import load_monitor_config
+    from layersplit.pd.spec.evaluate import format_report, run_eval as evaluate
 
     cfg = load_monitor_config(args.config)
     options.stage_printer("monitor eval")(f"{args.requests} synthetic requests per regime through a tiny draft/target pair")

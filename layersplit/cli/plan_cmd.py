@@ -7,7 +7,7 @@ import argparse
 import json
 
 from layersplit.cli import options
-from layersplit.engine.choices import STRATEGIES
+from layersplit.plan.choices import STRATEGIES
 from layersplit.plan.capacity import PLACEMENTS, WEIGHT_BYTES, PlanRequest, capacity_plan
 from layersplit.plan.config import load_hardware, load_model
 

@@ -7,7 +7,7 @@ import argparse
 import json
 
 from layersplit.cli import options
-from layersplit.engine.choices import MODES, SCHEDULES, SPLITS, STRATEGIES
+from layersplit.plan.choices import MODES, SCHEDULES, SPLITS, STRATEGIES
 
 
 def add_parser(sub: argparse._SubParsersAction, int_at_least) -> None:

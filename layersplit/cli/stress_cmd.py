@@ -28,76 +28,10 @@ def add_parser(sub: argparse._SubParsersAction, int_at_least) -> None:
                    help="streams: CUDA where present (auto, default), the emulated runtime, or CUDA (fails without)")
     h.add_argument("--json", action="store_true", help="print the report as one JSON object")
     h.set_defaults(func=run_hicache)
-    d = which.add_parser("pd", help="prefill/decode abort storms (discrete-event simulation, or real processes "
-                                     "with --transport mooncake): safe release vs the legacy immediate release, "
-                                     "LayerSplit prefill ranks, lossy control plane")
-    d.add_argument("--transport", choices=("sim", "mooncake"), default="sim",
-                   help="sim: one process, virtual time (default); mooncake: decode and each prefill rank as OS "
-                        "processes on loopback, Mooncake TCP for the KV, ZMQ through a fault proxy, wall-clock "
-                        "seconds, SIGKILLs for --kill-rank / --prefill-down / --restart-decode (needs .[pd-real])")
-    d.add_argument("--requests", type=int_at_least(1), default=10000, help="requests to run (default 10000)")
-    d.add_argument("--seed", type=options.seed, default=0, help="seed of arrivals and faults (default 0)")
-    d.add_argument("--prefill-cp", type=int_at_least(1), default=2,
-                   help="prefill CP ranks; each writes only the layers it owns (LayerSplit contiguous plan)")
-    d.add_argument("--layers", type=int_at_least(1), default=None,
-                   help="decoder layers to split (default 61; mooncake: one per rank, each a registered region)")
-    d.add_argument("--drop", type=options.number_in(0, 1, high_open=True), default=0.05,
-                   help="probability a control message is lost, in [0, 1) (default 0.05)")
-    d.add_argument("--duplicate", type=options.number_in(0, 1, high_open=True), default=None,
-                   help="probability a control message is re-sent later, in [0, 1) (default 0.05; sim only)")
-    d.add_argument("--max-delay-s", type=options.number_in(0, 3600), default=0.02,
-                   help="control message delay upper bound in virtual seconds (default 0.02)")
-    d.add_argument("--mean-arrival-s", type=options.number_in(0, 3600, low_open=True), default=0.015,
-                   help="mean seconds between request arrivals, exponential (default 0.015)")
-    d.add_argument("--cancel", type=options.number_in(0, 1), default=0.03,
-                   help="probability a client cancels (some twice), in [0, 1] (default 0.03)")
-    d.add_argument("--restart-mean-s", type=options.number_in(0, 1e9), default=None,
-                   help="mean virtual seconds between crashes of each prefill rank (default 60; 0: no restarts; "
-                        "sim only)")
-    d.add_argument("--kill-rank", type=_pd_kill, action="append", default=[], metavar="RANK@SECONDS",
-                   help="crash a prefill rank for good at this virtual time (a dead peer: fenced after "
-                        "--fence-after-s); repeatable. mooncake: SIGKILL at this wall second, restarted as a new "
-                        "incarnation --restart-after-s later (never: for good, as in sim)")
-    d.add_argument("--partition", type=options.number_in(0, 1e6, low_open=True), default=None, metavar="SECONDS",
-                   help="cut --outage-rank's control link at --outage-at for this long (its lease stays valid)")
-    d.add_argument("--prefill-down", type=options.number_in(0, 1e6, low_open=True), default=None, metavar="SECONDS",
-                   help="crash --outage-rank at --outage-at and restart it this much later (a model reload)")
-    d.add_argument("--lease-loss", type=options.number_in(0, 1e6, low_open=True), default=None, metavar="SECONDS",
-                   help="a false suspicion: --outage-rank's lease expires at --outage-at while it is alive and it "
-                        "heartbeats again this much later (fenced meanwhile if longer than --fence-after-s; "
-                        "mooncake: SIGSTOP, then SIGCONT this much later)")
-    d.add_argument("--outage-rank", type=int_at_least(0), default=0,
-                   help="the rank of --partition / --prefill-down / --lease-loss")
-    d.add_argument("--outage-at", type=options.number_in(0, 1e6), default=10.0,
-                   help="virtual time of --partition / --prefill-down / --lease-loss (default 10)")
-    d.add_argument("--restart-decode", type=options.number_in(0, 1e6), action="append", default=[],
-                   metavar="SECONDS", help="crash and restart the decode worker at this virtual time; repeatable")
-    d.add_argument("--fence-after-s", type=options.number_in(0, 1e6), default=30.0,
-                   help="fence a prefill rank whose lease expired and that stayed down this long (0: never)")
-    d.add_argument("--fence-unreachable-s", type=options.number_in(0, 1e6, low_open=True), default=None,
-                   metavar="SECONDS",
-                   help="fence a prefill rank that holds its lease but left an abort unacknowledged and sent "
-                        "nothing this long (a cut control link): each abort is held at most about this long, the "
-                        "rank restarts as a new incarnation (default: off, hold the pages until the link heals)")
-    d.add_argument("--misaddress", type=options.number_in(0, 1, high_open=True), default=0.0,
-                   help="probability a prefill reply is also delivered naming another peer or a non-owner")
-    d.add_argument("--decode-pages", type=int_at_least(8), default=512, metavar="N",
-                   help="pages in decode's KV pool (default 512; a request takes 1 to 8)")
-    d.add_argument("--guard-off", action="append", default=[], metavar="GUARD",
-                   help="UNSAFE: switch a hardening guard off (pd.abort.guards; repeatable): expect the failure it "
-                        "closes. mooncake: fence-refuses-writes only (decode's fence keeps the rank's regions "
-                        "registered)")
-    d.add_argument("--legacy-immediate-release", action="store_true",
-                   help="UNSAFE: free an aborted request's pages at once (the old race)")
-    d.add_argument("--restart-after-s", type=_seconds_or_never, default=1.0, metavar="SECONDS|never",
-                   help="mooncake: a --kill-rank rank comes back this many seconds after its SIGKILL (default 1; "
-                        "never: killed for good, fenced once its lease is gone)")
-    d.add_argument("--page-bytes", type=int_at_least(17), default=16384,
-                   help="mooncake: bytes per KV page per layer (default 16384)")
-    d.add_argument("--out", default=None, metavar="DIR",
-                   help="mooncake: the run's folder (every process's stats, outcomes, logs; default a new temp dir)")
-    d.add_argument("--timeout-s", type=options.number_in(1, 1e6), default=900.0,
-                   help="mooncake: end the run after this many wall seconds (default 900)")
+    d = which.add_parser("pd", help="prefill/decode abort storms (discrete-event simulation): safe release vs the "
+                                     "legacy immediate release, LayerSplit prefill ranks, lossy control plane "
+                                     "(on real processes: python -m tools.pd_real storm, from a checkout)")
+    add_pd_arguments(d, int_at_least)
     d.add_argument("--json", action="store_true", help="print the report as one JSON object")
     d.set_defaults(func=run_pd)
     sh = which.add_parser("sglang-hicache", help="the plug-in's indexer-first HiCache load inside SGLang's own "
@@ -118,13 +52,62 @@ def add_parser(sub: argparse._SubParsersAction, int_at_least) -> None:
     sp.set_defaults(func=run_sglang_pool)
 
 
-def _seconds_or_never(text: str) -> float | None:
-    if text == "never":
-        return None
-    try:
-        return options.number_in(0, 1e6)(text)
-    except argparse.ArgumentTypeError:
-        raise argparse.ArgumentTypeError(f"expected seconds in [0, 1e+06] or never, got {text!r}") from None
+def add_pd_arguments(d: argparse.ArgumentParser, int_at_least) -> None:
+    """The storm's flags, shared by ``stress pd`` and the real-process storm (``tools/pd_real``)."""
+    d.add_argument("--requests", type=int_at_least(1), default=10000, help="requests to run (default 10000)")
+    d.add_argument("--seed", type=options.seed, default=0, help="seed of arrivals and faults (default 0)")
+    d.add_argument("--prefill-cp", type=int_at_least(1), default=2,
+                   help="prefill CP ranks; each writes only the layers it owns (LayerSplit contiguous plan)")
+    d.add_argument("--layers", type=int_at_least(1), default=None,
+                   help="decoder layers to split (default 61; real processes: one per rank, each a registered region)")
+    d.add_argument("--drop", type=options.number_in(0, 1, high_open=True), default=0.05,
+                   help="probability a control message is lost, in [0, 1) (default 0.05)")
+    d.add_argument("--duplicate", type=options.number_in(0, 1, high_open=True), default=None,
+                   help="probability a control message is re-sent later, in [0, 1) (default 0.05; sim only)")
+    d.add_argument("--max-delay-s", type=options.number_in(0, 3600), default=0.02,
+                   help="control message delay upper bound in virtual seconds (default 0.02)")
+    d.add_argument("--mean-arrival-s", type=options.number_in(0, 3600, low_open=True), default=0.015,
+                   help="mean seconds between request arrivals, exponential (default 0.015)")
+    d.add_argument("--cancel", type=options.number_in(0, 1), default=0.03,
+                   help="probability a client cancels (some twice), in [0, 1] (default 0.03)")
+    d.add_argument("--restart-mean-s", type=options.number_in(0, 1e9), default=None,
+                   help="mean virtual seconds between crashes of each prefill rank (default 60; 0: no restarts; "
+                        "sim only)")
+    d.add_argument("--kill-rank", type=_pd_kill, action="append", default=[], metavar="RANK@SECONDS",
+                   help="crash a prefill rank for good at this virtual time (a dead peer: fenced after "
+                        "--fence-after-s); repeatable; real processes: SIGKILL at this wall second, restarted as a new "
+                        "incarnation --restart-after-s later (never: for good, as in sim)")
+    d.add_argument("--partition", type=options.number_in(0, 1e6, low_open=True), default=None, metavar="SECONDS",
+                   help="cut --outage-rank's control link at --outage-at for this long (its lease stays valid)")
+    d.add_argument("--prefill-down", type=options.number_in(0, 1e6, low_open=True), default=None, metavar="SECONDS",
+                   help="crash --outage-rank at --outage-at and restart it this much later (a model reload)")
+    d.add_argument("--lease-loss", type=options.number_in(0, 1e6, low_open=True), default=None, metavar="SECONDS",
+                   help="a false suspicion: --outage-rank's lease expires at --outage-at while it is alive and it "
+                        "heartbeats again this much later (fenced meanwhile if longer than --fence-after-s; "
+                        "real processes: SIGSTOP, then SIGCONT this much later)")
+    d.add_argument("--outage-rank", type=int_at_least(0), default=0,
+                   help="the rank of --partition / --prefill-down / --lease-loss")
+    d.add_argument("--outage-at", type=options.number_in(0, 1e6), default=10.0,
+                   help="virtual time of --partition / --prefill-down / --lease-loss (default 10)")
+    d.add_argument("--restart-decode", type=options.number_in(0, 1e6), action="append", default=[],
+                   metavar="SECONDS", help="crash and restart the decode worker at this virtual time; repeatable")
+    d.add_argument("--fence-after-s", type=options.number_in(0, 1e6), default=30.0,
+                   help="fence a prefill rank whose lease expired and that stayed down this long (0: never)")
+    d.add_argument("--fence-unreachable-s", type=options.number_in(0, 1e6, low_open=True), default=None,
+                   metavar="SECONDS",
+                   help="fence a prefill rank that holds its lease but left an abort unacknowledged and sent "
+                        "nothing this long (a cut control link): each abort is held at most about this long, the "
+                        "rank restarts as a new incarnation (default: off, hold the pages until the link heals)")
+    d.add_argument("--misaddress", type=options.number_in(0, 1, high_open=True), default=0.0,
+                   help="probability a prefill reply is also delivered naming another peer or a non-owner")
+    d.add_argument("--decode-pages", type=int_at_least(8), default=512, metavar="N",
+                   help="pages in decode's KV pool (default 512; a request takes 1 to 8)")
+    d.add_argument("--guard-off", action="append", default=[], metavar="GUARD",
+                   help="UNSAFE: switch a hardening guard off (layersplit.pd.abort.guards; repeatable): expect the failure it "
+                        "closes. real processes: fence-refuses-writes only (decode's fence keeps the rank's regions "
+                        "registered)")
+    d.add_argument("--legacy-immediate-release", action="store_true",
+                   help="UNSAFE: free an aborted request's pages at once (the old race)")
 
 
 def _pd_kill(text: str) -> tuple[int, float]:
@@ -135,22 +118,19 @@ def _pd_kill(text: str) -> tuple[int, float]:
         raise argparse.ArgumentTypeError(f"expected RANK@SECONDS (e.g. 3@10.5), got {text!r}") from None
 
 
-def _pd_config(args: argparse.Namespace):
-    from pd.abort.stress import PDStressConfig
-    from pd.abort.channel import ChannelFaults
-    from pd.abort.decode_side import DecodeConfig
-    from pd.abort.guards import check_names, decode_config_off
-    from pd.abort.topology import PrefillTopology
+def pd_config(args: argparse.Namespace, default_layers: int = 61):
+    from layersplit.pd.abort.stress import PDStressConfig
+    from layersplit.pd.abort.channel import ChannelFaults
+    from layersplit.pd.abort.decode_side import DecodeConfig
+    from layersplit.pd.abort.guards import check_names, decode_config_off
+    from layersplit.pd.abort.topology import PrefillTopology
 
-    from layersplit.engine.ownership import plan_ownership
+    from layersplit.plan.ownership import plan_ownership
 
     check_names(args.guard_off)  # one clear error before any work
-    real = args.transport == "mooncake"
-    if real:
-        _real_only_faults(args)
     if args.outage_rank >= args.prefill_cp:
         raise ValueError(f"--outage-rank: expected a rank in [0, {args.prefill_cp - 1}], got {args.outage_rank}")
-    layers = args.layers or (args.prefill_cp if real else 61)
+    layers = args.layers or default_layers
     plan = plan_ownership(layers, args.prefill_cp, "contiguous")  # pd takes the ownership as plain data
     outage = lambda seconds: ((args.outage_rank, args.outage_at, seconds),) if seconds else ()  # noqa: E731
     decode = decode_config_off(DecodeConfig(num_pages=args.decode_pages, fence_after_s=args.fence_after_s or None,
@@ -166,49 +146,8 @@ def _pd_config(args: argparse.Namespace):
         restart_decode=tuple(args.restart_decode), misaddress=args.misaddress, decode=decode)
 
 
-def _real_only_faults(args: argparse.Namespace) -> None:
-    """--transport mooncake: refuse the simulation-only faults (one clear error before any process starts)."""
-    from pd.abort.real.process import REAL_GUARDS
-
-    for flag, value in (("--duplicate", args.duplicate), ("--restart-mean-s", args.restart_mean_s),
-                        ("--misaddress", args.misaddress or None)):
-        if value is not None:
-            raise ValueError(f"{flag}: expected it only with --transport sim (the real pair has no such fault), "
-                             f"got {value!r}")
-    for name in args.guard_off:
-        if name not in REAL_GUARDS:
-            raise ValueError(f"--guard-off: expected {' or '.join(REAL_GUARDS)} with --transport mooncake (the other "
-                             f"guards are simulation-only), got {name!r}")
-    args.duplicate, args.restart_mean_s = 0.0, 0.0
-
-
-def run_pd_real(args: argparse.Namespace) -> int:
-    """The storm on real processes (pd.abort.real.storm); exit codes as for the simulation."""
-    import tempfile
-    from pathlib import Path
-
-    cfg = _pd_config(args)
-    from pd.abort.real.engine import import_engine
-
-    try:
-        import_engine()
-    except ImportError as exc:
-        raise SystemExit(f"stress pd --transport mooncake: {exc}") from None
-    from pd.abort.real.process import RealRun
-    from pd.abort.real.storm import StormFaults, failures, run_real_storm
-
-    run_dir = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="pd-real-storm-"))
-    faults = StormFaults(drop=args.drop, max_delay_s=args.max_delay_s, restart_after_s=args.restart_after_s,
-                         timeout_s=args.timeout_s)
-    report = run_real_storm(RealRun(cfg, page_bytes=args.page_bytes, guards_off=tuple(args.guard_off)), faults,
-                            run_dir)
-    report["note"] = "real processes on loopback (wall-clock seconds): Mooncake TCP for the KV, ZMQ via a fault proxy"
-    print(json.dumps(report) if args.json else "\n".join(f"{k:<28} {v}" for k, v in report.items()))
-    return _pd_verdict(args, failures(report), report["overwrites"])
-
-
-def _pd_verdict(args: argparse.Namespace, broken: list[str], overwrites: int) -> int:
-    """The exit code of a pd storm (either transport): 1 where the safe protocol failed; an UNSAFE run
+def pd_verdict(args: argparse.Namespace, broken: list[str], overwrites: int) -> int:
+    """The exit code of a pd storm (simulated or on real processes): 1 where the safe protocol failed; an UNSAFE run
     (legacy release, a guard off) is expected to fail: 0 where it did, 3 (a warning) where it did not."""
     import sys
 
@@ -231,12 +170,10 @@ def _pd_verdict(args: argparse.Namespace, broken: list[str], overwrites: int) ->
 
 
 def run_pd(args: argparse.Namespace) -> int:
-    from pd.abort.stress import failures, run_pd_stress
-    from pd.abort.guards import guards_off
+    from layersplit.pd.abort.stress import failures, run_pd_stress
+    from layersplit.pd.abort.guards import guards_off
 
-    if args.transport == "mooncake":
-        return run_pd_real(args)
-    cfg = _pd_config(args)
+    cfg = pd_config(args)
     with guards_off(args.guard_off):
         report = run_pd_stress(cfg)
     report["note"] = "discrete-event simulation of a PD cluster (virtual time), faults seeded"
@@ -246,7 +183,7 @@ def run_pd(args: argparse.Namespace) -> int:
     else:
         for key, value in report.items():
             print(f"{key:<28} {value}")
-    return _pd_verdict(args, failures(report), report["overwrites"])
+    return pd_verdict(args, failures(report), report["overwrites"])
 
 
 def run_hicache(args: argparse.Namespace) -> int:
@@ -254,7 +191,8 @@ def run_hicache(args: argparse.Namespace) -> int:
 
     from lsconfig import envs
     from hicache.stress import StressConfig, run_stress
-    from layersplit.plan.config import cache_spec, load_model
+    from layersplit.engine.cp_pool import cache_spec
+    from layersplit.plan.config import load_model
 
     model = load_model(args.model)
     cfg = StressConfig(layer_loads=args.loads, seed=args.seed, runtime=args.runtime, sanitize=envs.sanitize(),

@@ -1,6 +1,5 @@
 """The LayerSplit CP prefill engine: what one prefill group of N ranks runs.
 
-- :mod:`.ownership` — which rank owns (stores the KV cache of) each layer;
 - :mod:`.batch_plan` — the per-batch plan every layer uses (pages, page tables, broadcast rows, token split);
 - :mod:`.cp_pool` — the ``redundant`` and ``layersplit`` KV pools behind one interface;
 - :mod:`.comm` — CP collectives on a comm stream, each returning the event that guards its result;
@@ -10,5 +9,6 @@
 - :mod:`.launcher` — N real rank processes (gloo on CPU, NCCL on CUDA) or the single-process reference;
 - :mod:`.trace` — a rank's timeline as Chrome trace-event JSON.
 
-Depends on ``dsa_kernels`` and ``hicache`` below it; nothing here imports the CLI.
+Which rank owns each layer is :mod:`layersplit.plan.ownership` (plain arithmetic, below the engine).
+Depends on :mod:`layersplit.plan`, ``dsa_kernels`` and ``hicache`` below it; nothing here imports the CLI.
 """

@@ -17,7 +17,7 @@ import torch
 
 from dsa_kernels.layout import PAGE_SIZE
 
-from layersplit.engine.choices import SPLITS  # re-exported
+from layersplit.plan.choices import SPLITS  # re-exported
 
 
 @dataclass(frozen=True)

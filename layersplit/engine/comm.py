@@ -50,7 +50,7 @@ from typing import Callable, NamedTuple
 import torch
 import torch.distributed as dist
 
-from hicache.streams import Event, Runtime
+from hicache.runtime.streams import Event, Runtime
 from layersplit.engine.trace import Tracer
 
 UNSAFE_CHOICES = ("compute_wait", "record_stream")

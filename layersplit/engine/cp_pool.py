@@ -14,9 +14,15 @@ import torch
 from hicache.device_pool import DSADevicePool
 from hicache.paged_buffers import DSACacheSpec, PagedDSABuffers
 from layersplit.engine.batch_plan import BatchPlan
-from layersplit.engine.ownership import OwnershipPlan
+from layersplit.plan.choices import MODES  # re-exported
+from layersplit.plan.config import ModelConfig
+from layersplit.plan.ownership import OwnershipPlan
 
-from layersplit.engine.choices import MODES  # re-exported
+
+def cache_spec(model: ModelConfig, kv_dtype: str = "bf16") -> DSACacheSpec:
+    """The :class:`~hicache.paged_buffers.DSACacheSpec` of ``model``'s per-layer caches."""
+    return DSACacheSpec(model.num_layers, model.kv_lora_rank, model.qk_rope_head_dim, model.index_head_dim,
+                        model.indexer_layer_ids, kv_dtype)
 
 
 @dataclass

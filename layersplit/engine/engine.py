@@ -18,7 +18,7 @@ only the small index-key broadcast and the new rows' all-gather are on the index
 On one FIFO stream (``schedule="legacy"``) layer l's all-gather would queue behind ``bcast_kv[l]`` and the
 indexer, which waits for the all-gather, would wait for the KV too — whatever the issue order says.
 ``RankResult.kv_order`` proves it from the happens-before order of the rank's issued program
-(:mod:`hicache.happens_before`): per non-owned layer, the indexer does not happen after the KV
+(:mod:`hicache.runtime.happens_before`): per non-owned layer, the indexer does not happen after the KV
 broadcast's completion and attention does. (Within one rank: edges through another rank's progress,
 a collective waiting for a peer that waits for its own broadcasts, are not in it; the KV broadcast
 of layer l is ordered, through them, only after layers l-2 and earlier.) A second stream and communicator, rather than a
@@ -60,15 +60,15 @@ from dsa_kernels.layout import PAGE_SIZE
 from hicache.host_pool import DSAHostPool
 from hicache.load_pipeline import LayerwiseLoader
 from hicache import sanitizer
-from hicache.happens_before import HBRuntime
-from hicache.streams import Event, Runtime
+from hicache.runtime.happens_before import HBRuntime
+from hicache.runtime.streams import Event, Runtime
 from layersplit.engine.batch_plan import BatchPlan, Request, plan_batch
 from layersplit.engine.comm import CPComm, Sent
-from layersplit.plan.config import ModelConfig, cache_spec
+from layersplit.plan.config import ModelConfig
 from layersplit.plan.capacity import scratch_pages_for
-from layersplit.engine.cp_pool import CPPool, ReadBuffers
+from layersplit.engine.cp_pool import CPPool, ReadBuffers, cache_spec
 from layersplit.engine.model import Projections, TinyDSA
-from layersplit.engine.ownership import plan_ownership
+from layersplit.plan.ownership import plan_ownership
 from layersplit.engine.trace import Tracer
 
 POISON = 0xFF
@@ -79,7 +79,7 @@ UNSAFE_EDGES = ("compute_wait", "record_stream", "slot_release", "poison_fence")
 # ``overlapped``: the KV broadcast on its own stream and communicator (only sparse attention waits for
 # it); ``legacy``: every collective on one FIFO stream, where the all-gather the indexer waits for
 # queues behind the KV broadcast (kept to show the difference: the overlap test's teeth, the benchmark)
-from layersplit.engine.choices import ENGINE_KV_DTYPES, SCHEDULES  # noqa: E402 - re-exported
+from layersplit.plan.choices import ENGINE_KV_DTYPES, SCHEDULES  # noqa: E402 - re-exported
 
 
 @dataclass(frozen=True)

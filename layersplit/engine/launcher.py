@@ -21,8 +21,9 @@ from pathlib import Path
 
 import torch
 
-from hicache import csan, sanitizer
-from hicache.streams import get_runtime
+from hicache.sanitizer import csan
+from hicache import sanitizer
+from hicache.runtime.streams import get_runtime
 from layersplit.engine.batch_plan import Request
 from layersplit.plan.config import ModelConfig
 from layersplit.engine.engine import EngineConfig, FaultInjection, RankEngine, RankResult
@@ -65,7 +66,7 @@ def _merge(name: str, results: list[RankResult]) -> CPResult:
 def _run_rank(model: ModelConfig, scenarios: list[Scenario], rank: int, row_blocks: int = 1) -> list[RankResult]:
     """Every scenario on this rank; under ``LAYERSPLIT_SANITIZE=1`` each is sanitized (its result
     carries the hazards found), and under CUDA's sanitizer (``TORCH_CUDA_SANITIZER=1``) each records
-    every hazard CSAN finds (:mod:`hicache.csan`). ``row_blocks``: the model's row-wise stages in that many blocks."""
+    every hazard CSAN finds (:mod:`hicache.sanitizer.csan`). ``row_blocks``: the model's row-wise stages in that many blocks."""
     out = []
     for sc in scenarios:
         san, rt = sanitizer.enable_from_env(), None
@@ -176,7 +177,7 @@ def run_cp(model: ModelConfig, scenarios: list[Scenario], cp: int, timeout_s: fl
         if sc.cfg.cp != cp:
             raise ValueError(f"scenario {sc.name}: expected cfg.cp == {cp}, got {sc.cfg.cp}")
     if sanitizer.enabled_by_env() and torch.cuda.is_available():  # one line here, not a traceback per rank
-        from hicache.streams import BLIND_SANITIZER
+        from hicache.runtime.streams import BLIND_SANITIZER
 
         raise ValueError(BLIND_SANITIZER)
     cp_backend(cp)  # an impossible backend refused here, in one line, before any rank starts

@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, field
 from dsa_kernels.layout import PAGE_SIZE
 from layersplit.engine.batch_plan import SPLITS
 from layersplit.engine.cp_pool import MODES
-from layersplit.engine.ownership import STRATEGIES, plan_ownership
+from layersplit.plan.ownership import STRATEGIES, plan_ownership
 from layersplit.plan.config import ModelConfig, load_model
 
 SEED_MAX = 2**63 - 1

@@ -1,7 +1,8 @@
 """How close must the cp=2 engine be to the single-rank reference on *this* device?
 
 On a CPU the answer is a constant (1e-4 of max |hidden|): the matmuls give a row the same bits
-whatever else is in the batch. On a GPU they do not: each CP rank multiplies only its own rows,
+whatever else is in the batch, or differ in fp32's last bits where the thread split changes (3.5e-6 of
+the scale for a 3-block row split on 2 AVX-512 threads). On a GPU they do not: each CP rank multiplies only its own rows,
 cuBLAS picks kernels by row count, a row's fp32 projection can change in its last bits, one flipped
 bf16 / e4m3 rounding of a key then flips a top-k set, and the hidden states move by ~1e-2 of
 their scale with nothing wrong (emulated on a CPU, every projection x (1 + 2^-24 N(0, 1)): 3.9e-5,

@@ -32,10 +32,10 @@ import statistics
 import time
 from typing import Callable
 
-from hicache.streams import get_runtime
+from hicache.runtime.streams import get_runtime
 from layersplit.engine.comm import Link, LoopbackTransport
 from layersplit.engine.engine import SCHEDULES, EngineConfig, FaultInjection, RankEngine, RankResult
-from layersplit.engine.ownership import plan_ownership
+from layersplit.plan.ownership import plan_ownership
 from layersplit.engine.requests import synthetic_requests
 from layersplit.plan.config import load_model
 

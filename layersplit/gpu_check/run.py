@@ -360,7 +360,8 @@ def section_stress(ctx: Context) -> dict:
     given the forward's own indices (``hicache.stress``): FlashInfer's tie order is never corruption.
     With waits: 0 corrupted. In cuda mode each dropped wait must be detected."""
     from hicache.stress import StressConfig, run_stress
-    from layersplit.plan.config import cache_spec, load_model
+    from layersplit.engine.cp_pool import cache_spec
+    from layersplit.plan.config import load_model
 
     model = load_model("tiny")
     base = StressConfig(layer_loads=ctx.shapes.stress_loads, runtime="cuda" if ctx.on_cuda else "emulated",

@@ -15,7 +15,7 @@ sanitizer, each clean with every edge and each reported with an edge removed (th
      wait for compute; a scratch slot's release (with the issue-time wait, which also orders it); the
      host-tier reload's wait for the poison fill. Each must be reported, or the check proves nothing.
   CSAN would stop a run at its first hazard, so one removed edge could hide another: the child records
-  every hazard instead (:mod:`hicache.csan`), and an engine tooth counts as reported only when a
+  every hazard instead (:mod:`hicache.sanitizer.csan`), and an engine tooth counts as reported only when a
   hazard names the ops its missing edge leaves unordered. The reload path has its own clean run.
 * ``cpu-dry-run`` mode: the same runs under this project's emulated-runtime sanitizer
   (``LAYERSPLIT_SANITIZE=1``, :mod:`hicache.sanitizer`), in this process.
@@ -76,7 +76,8 @@ def _engine(context: int, unsafe: frozenset[str], timeout_s: float, tol: float, 
 
 def _stress(loads: int, on_cuda: bool, unsafe: frozenset[str] = frozenset()) -> dict:
     from hicache.stress import StressConfig, run_stress
-    from layersplit.plan.config import cache_spec, load_model
+    from layersplit.engine.cp_pool import cache_spec
+    from layersplit.plan.config import load_model
 
     model = load_model("tiny")
     # CSAN tracks a buffer by its pointer: the loads also follow the previous forward (StressConfig)

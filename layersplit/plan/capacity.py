@@ -16,7 +16,7 @@ Per-rank KV budget = ``hbm_reported * mem_fraction - weights per rank``:
   whole pages: ``ceil(T / 64) + max_requests`` pages, as ``layersplit.engine.cp_pool`` allocates them);
 * upstream SGLang layer split (for comparison): owned layers + one pool-sized scratch layer;
 * our SGLang plug-in (``layersplit.sglang_plugin.pool``, counted with the functions it allocates
-  with, :mod:`layersplit.sglang_plugin.sizing`): owned layers + two batch-sized staging slots of
+  with, :mod:`layersplit.plan.sizing`): owned layers + two batch-sized staging slots of
   latent rows and indexer-key pages (``ceil(max_batch_tokens / 64) + max_requests`` pages each, the
   worst batch; set ``LAYERSPLIT_SGLANG_SCRATCH_TOKENS`` to 64 x that, else the pool grows its slots
   on such a batch) + an 8-byte remap entry per pool page, with its default ``batch`` landing (the
@@ -39,7 +39,7 @@ from dataclasses import asdict, dataclass
 
 from layersplit.plan import kv_sharding
 from layersplit.plan.config import HardwareConfig, ModelConfig
-from layersplit.engine.ownership import plan_ownership
+from layersplit.plan.ownership import plan_ownership
 # the modes and their bytes per rank live in .modes; re-exported, as callers import them from here
 from layersplit.plan.modes import (BROADCAST, MODEL_OWNERSHIPS, MODES, NVLINK_EFFICIENCY, STRIPED_REMAINDER,  # noqa: F401
                                    ModeBytes, mode_bytes, mode_kv_dtype, scratch_pages_for,

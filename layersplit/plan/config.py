@@ -266,14 +266,6 @@ def load_hardware(name_or_path: str | Path) -> HardwareConfig:
     return hw
 
 
-def cache_spec(model: ModelConfig, kv_dtype: str = "bf16"):
-    """The :class:`hicache.paged_buffers.DSACacheSpec` of ``model``'s per-layer caches."""
-    from hicache.paged_buffers import DSACacheSpec
-
-    return DSACacheSpec(model.num_layers, model.kv_lora_rank, model.qk_rope_head_dim, model.index_head_dim,
-                        model.indexer_layer_ids, kv_dtype)
-
-
 def available(kind: str) -> list[str]:
     """Names of the shipped configs of ``kind`` ('model' or 'hardware')."""
     return sorted(p.stem for p in (configs_root() / _FOLDERS[kind]).glob("*.yaml"))

@@ -7,10 +7,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from dsa_kernels.layout import PAGE_SIZE
-from layersplit.engine.ownership import plan_ownership
+from layersplit.plan.ownership import plan_ownership
 from layersplit.plan import kv_sharding
 from layersplit.plan.config import ModelConfig
-from layersplit.sglang_plugin import sizing
+from layersplit.plan import sizing
 
 
 def scratch_pages_for(max_batch_tokens: int, max_requests: int) -> int:

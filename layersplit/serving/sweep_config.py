@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from lsconfig.config_io import ConfigError, read_yaml
-from layersplit.engine.choices import ENGINE_KV_DTYPES, STRATEGIES
+from layersplit.plan.choices import ENGINE_KV_DTYPES, STRATEGIES
 from layersplit.plan.capacity import MODEL_OWNERSHIPS
 from layersplit.plan.config import _build, configs_root, load_hardware, load_model
 

@@ -18,8 +18,8 @@ parses its arguments), it registers through SGLang's ``HookRegistry``:
   ``IndexKeyCache.get_local_buffer`` so the indexer waits only for its keys;
 * with ``LAYERSPLIT_SGLANG_SPEC_MONITOR=1`` or ``--layersplit-spec-monitor`` (also without the rest), the
   speculative-decoding monitor: an AFTER hook on the scheduler's per-verify-step method of ``Req``
-  (:mod:`.spec_step`), or, on releases without one, on the tokenizer manager's completion-time speculative
-  metrics (:mod:`.monitor`).
+  (:mod:`.spec.step`), or, on releases without one, on the tokenizer manager's completion-time speculative
+  metrics (:mod:`.spec.completion`).
 
 Disabled, it changes nothing. :func:`unregister` removes every hook and restores the upstream code.
 """
@@ -51,7 +51,7 @@ def enabled(argv: list[str] | None = None) -> bool:
 def register() -> bool:
     """Entry point (zero arguments). Returns whether hooks were registered."""
     _add_server_flag()
-    from layersplit.sglang_plugin import spec_step
+    from layersplit.sglang_plugin.spec import step as spec_step
 
     plugin_on, monitor_on = enabled(), spec_step.enabled()  # the monitor also runs alone (decode workers)
     if not (plugin_on or monitor_on):
@@ -109,7 +109,7 @@ def _add_server_flag() -> None:
         server_args = importlib.import_module("sglang.srt.server_args")
     except ImportError:
         return
-    from layersplit.sglang_plugin import spec_step
+    from layersplit.sglang_plugin.spec import step as spec_step
 
     cls = getattr(server_args, "ServerArgs", None)
     add = getattr(cls, "add_cli_args", None)
@@ -165,6 +165,6 @@ def unregister() -> None:
 
 
 def spec_monitor():
-    """The registered spec monitor (:class:`.spec_step.SpecStepMonitor`, or the completion-time
-    :class:`.monitor.MetaInfoMonitor`) with its counters, or None."""
+    """The registered spec monitor (:class:`.spec.step.SpecStepMonitor`, or the completion-time
+    :class:`.spec.completion.MetaInfoMonitor`) with its counters, or None."""
     return _state.get("monitor")

@@ -278,7 +278,7 @@ def make_pool_class(base: type | None = None, index_cache_base: type | None = No
 
 
 # The upstream methods this adapter overrides or calls, with the signatures it was written against.
-# tests/layersplit/test_sglang_plugin.py fails if any of them disappears or changes signature.
+# tests/layersplit/sglang_plugin/test_plugin.py fails if any of them disappears or changes signature.
 UPSTREAM_CONTRACT = {
     "layer_split_pool": {
         "_is_layer_owned": "(self, layer_id: 'int') -> 'bool'",

@@ -13,7 +13,7 @@ import contextlib
 import torch
 
 from lsconfig import envs
-from layersplit.sglang_plugin import sizing
+from layersplit.plan import sizing
 
 
 class PoolBuffersMixin:

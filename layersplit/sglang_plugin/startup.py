@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from layersplit.sglang_plugin import sizing
+from layersplit.plan import sizing
 
 # DSA prefill kernels whose KV reads go through the page tables the remap rewrites (see landing.py)
 COVERED_IMPLS = ("flashmla_sparse", "flashmla_kv", "flashmla_sparse_q8", "triton_sparse_mla",

@@ -1,7 +1,7 @@
 """Stress tests of the plug-in inside SGLang's own code, on CPU with real asynchrony.
 
 SGLang's stream code records and waits on events of a module-level ``device_module``; here it is
-:class:`hicache.device_module.EmulatedDeviceModule` (one worker thread per stream), so the load or
+:class:`hicache.runtime.device_module.EmulatedDeviceModule` (one worker thread per stream), so the load or
 broadcast stream really runs beside the forward stream. Two harnesses, each with a documented unsafe
 switch that must make its detector fire:
 
@@ -223,7 +223,7 @@ def run(iterations: int = 40, layers: int = 4, seed: int = 0, unsafe_skip=(), ma
         result.sanitizer_hazards = len(san.hazards)
         result.sanitizer_hazard_list = [str(h) for h in san.hazards]
         return result
-    from hicache.device_module import EmulatedDeviceModule
+    from hicache.runtime.device_module import EmulatedDeviceModule
     from layersplit.sglang_plugin import compat, hicache
     from sglang.srt.mem_cache.l2_transfer import L2Transfer
     from sglang.srt.mem_cache.pool_host.dsa import DSAIndexerPoolHost, make_dsa_indexer_pool_decl
@@ -392,7 +392,7 @@ def _pool_worker(rank: int, port: int, unsafe: str, iterations: int, seed: int, 
     import torch.distributed as dist
 
     from hicache import sanitizer
-    from hicache.device_module import EmulatedDeviceModule
+    from hicache.runtime.device_module import EmulatedDeviceModule
     from layersplit.sglang_plugin import compat, hicache
     from layersplit.sglang_plugin.pool import make_pool_class
 

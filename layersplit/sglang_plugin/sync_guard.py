@@ -1,6 +1,6 @@
-"""Count host synchronizations in the plug-in's per-forward path: :class:`hicache.syncs.SyncCounter`.
+"""Count host synchronizations in the plug-in's per-forward path: :class:`hicache.runtime.syncs.SyncCounter`.
 
-The counter lives in :mod:`hicache.syncs` so that the engine's and the kernels' tests use the same
+The counter lives in :mod:`hicache.runtime.syncs` so that the engine's and the kernels' tests use the same
 mechanism (``layersplit`` and the plug-in may import ``hicache``; ``hicache`` may not import them).
 
 Which tensors count as *device* tensors here: those passed to :meth:`SyncCounter.device` (what SGLang
@@ -18,6 +18,6 @@ Example::
 
 from __future__ import annotations
 
-from hicache.syncs import SyncCounter
+from hicache.runtime.syncs import SyncCounter
 
 __all__ = ["SyncCounter"]

@@ -6,7 +6,7 @@ import torch
 from hicache.device_pool import DSADevicePool
 from hicache.host_pool import DSAHostPool
 from hicache.paged_buffers import DSACacheSpec
-from hicache.streams import EmulatedRuntime
+from hicache.runtime.streams import EmulatedRuntime
 
 SPEC = DSACacheSpec(num_layers=4, kv_lora_rank=128, rope_dim=16, index_head_dim=32, indexer_layers=(0, 2))
 

@@ -21,7 +21,7 @@ from hicache.device_pool import DSADevicePool
 from hicache.host_pool import DSAHostPool
 from hicache.load_pipeline import LayerwiseLoader
 from tests.hicache.conftest import SPEC, fill_random, same_pages
-from tests.hicache.test_sanitizer import _stress
+from tests.hicache.sanitizer.test_sanitizer import _stress
 
 ZERO_FILL = ("stream compute", "aten::zeros", "paged_buffers.py")
 

@@ -10,7 +10,8 @@ import pytest
 
 from hicache.stress import StressConfig, run_stress
 from layersplit.cli.app import main
-from layersplit.plan.config import cache_spec, load_model
+from layersplit.engine.cp_pool import cache_spec
+from layersplit.plan.config import load_model
 
 LOADS = 2000  # layer loads per run (8 tiny layers per batch -> 250 batches)
 
@@ -52,7 +53,7 @@ def test_staging_is_asynchronous():
     """The batch inputs reach the device as non-blocking copies from pinned (host-memory) staging
     buffers: no host sync in ``stage``, so the host keeps queueing ahead and the race windows stay
     open. The counter is live on the forward stream's worker: it sees the check's blocking D2H."""
-    from hicache.syncs import SyncCounter
+    from hicache.runtime.syncs import SyncCounter
 
     with SyncCounter() as guard:
         r = tiny_run(set(), loads=24)

@@ -6,11 +6,10 @@ from __future__ import annotations
 
 import re
 import subprocess
-from pathlib import Path
 
 from tests.readme_blocks import readme_lines
+from tests.paths import ROOT
 
-ROOT = Path(__file__).resolve().parents[2]
 
 
 

@@ -14,9 +14,10 @@ import sys
 import zipfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-SOURCES = ("pyproject.toml", "setup.py", "MANIFEST.in", "README.md", "configs",
-           "dsa_kernels", "hicache", "layersplit", "lsconfig", "pd")
+from tests.paths import ROOT
+
+PACKAGES = ("dsa_kernels", "hicache", "layersplit", "lsconfig")
+SOURCES = ("pyproject.toml", "setup.py", "MANIFEST.in", "README.md", "configs", "tools", "tests", *PACKAGES)
 
 # run from the wheel's folder: every import must come from it, never from the checkout
 CHECK = """
@@ -26,7 +27,7 @@ import layersplit, lsconfig.paths
 site = Path(sys.argv[1]).resolve()
 assert Path(layersplit.__file__).resolve().is_relative_to(site), layersplit.__file__
 assert lsconfig.paths.shipped_configs().is_relative_to(site), lsconfig.paths.shipped_configs()
-from pd.spec.monitor_config import load_monitor_config
+from layersplit.pd.spec.monitor_config import load_monitor_config
 cfg = load_monitor_config()
 print(json.dumps({"layersplit": layersplit.__file__, "monitor_threshold": str(cfg.garbled.threshold)}))
 """
@@ -58,6 +59,8 @@ def _run(args: list[str], cwd: Path, site: Path) -> subprocess.CompletedProcess:
 def test_wheel_ships_configs_and_runs_outside_the_repo(tmp_path):
     wheel = _build_wheel(tmp_path)
     names = set(zipfile.ZipFile(wheel).namelist())
+    top = {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")}
+    assert top == set(PACKAGES), top  # the card's packages and their shared config: no tools, no tests
     shipped = sorted(p.relative_to(ROOT / "configs").as_posix() for p in (ROOT / "configs").rglob("*.yaml"))
     assert shipped and [n for n in shipped if f"lsconfig/_configs/{n}" not in names] == []
     site, elsewhere = tmp_path / "site", tmp_path / "elsewhere"

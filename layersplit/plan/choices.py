@@ -1,0 +1,10 @@
+"""The engine's named choices, as plain tuples (no torch), so the command line can offer them
+without importing the engine."""
+
+MODES = ("redundant", "layersplit")  # CP KV pool layouts (:mod:`layersplit.engine.cp_pool`)
+SPLITS = ("interleave", "zigzag")  # new-token split over ranks (:mod:`layersplit.engine.batch_plan`)
+STRATEGIES = ("contiguous", "round-robin")  # layer ownership (:mod:`layersplit.plan.ownership`)
+# CP comm schedule (:mod:`layersplit.engine.engine`): the KV broadcast on its own stream and communicator
+# (``overlapped``) or every collective on one FIFO stream (``legacy``, the old order)
+SCHEDULES = ("overlapped", "legacy")
+ENGINE_KV_DTYPES = ("bf16",)  # KV dtypes the CP engine's sparse attention reads (fp8 layer split: the SGLang plug-in)
