@@ -63,7 +63,8 @@ def test_dry_run_every_section_ok(dry_run):
     assert report["verdict"] == "passed" and [s["counts"] for s in report["skipped"]] == [False]
     cp2 = report["sections"]["cp_engine"]["result"]["cp2"]
     assert cp2["status"] == "ok" and cp2["backend"] == "gloo" and cp2["max_rel_deviation"] <= 1e-4
-    assert cp2["floor"] == 0.0 and cp2["tol"] == 1e-4  # a CPU's GEMMs are batch-invariant: the floor is 0
+    # a CPU's GEMMs are batch-invariant up to fp32's last bits (5.8e-6 on 2 AVX-512 threads): the CPU tolerance holds
+    assert cp2["floor"] < 1e-5 and cp2["tol"] == 1e-4
     cp_engine = report["sections"]["cp_engine"]["result"]
     order, keys = cp_engine["happens_before"], cp_engine["fp8_key_bytes_triton_vs_torch"]
     assert order["overlapped"]["indexer_after_kv_bcast"].startswith("0 of ")  # the happens-before order
