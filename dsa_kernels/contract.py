@@ -118,18 +118,35 @@ def indexer_scores(q, weights, index_cache, page_table, req_idx, positions, max_
 # sparse MLA --------------------------------------------------------------------------------------
 
 def sparse_mla_prefill(q, kv_cache, indices, sm_scale: float, kv_lora_rank: int) -> None:
+    """kv_cache: ``[S, L + R]`` bf16 (fp16 / fp32 accepted), or uint8 ``[S, L + 4L/128 + 2R]`` in
+    the fp8 layout (``dsa_kernels.layout``), ``L + R`` being q's last dim."""
     dev = kv_cache.device
     check_tensor("q", q, dim=3, dtypes=FLOAT_DTYPES, device=dev)
-    check_tensor("kv_cache", kv_cache, dim=2, dtypes=(torch.bfloat16, torch.float16, torch.float32), device=dev)
+    check_tensor("kv_cache", kv_cache, dim=2, dtypes=(torch.bfloat16, torch.float16, torch.float32, torch.uint8),
+                 device=dev)
     check_tensor("indices", indices, dim=2, dtypes=INDEX_DTYPES, device=dev)
     t_count, _, width = q.shape
     lat = kv_lora_rank
-    if width != kv_cache.shape[1]:
+    fp8 = kv_cache.dtype == torch.uint8
+    if not fp8 and width != kv_cache.shape[1]:
         raise ValueError(f"q: expected last dim {kv_cache.shape[1]} (kv_cache row), got {width}")
     if lat & (lat - 1) or lat < 16 or lat >= width:
         raise ValueError(f"kv_lora_rank: expected a power of 2 >= 16 below the row width {width}, got {lat}")
+    if fp8:
+        _fp8_mla_rows(kv_cache, lat, width - lat)
     if indices.shape[0] != t_count:
         raise ValueError(f"indices: expected {t_count} rows (one per query token), got {indices.shape[0]}")
+
+
+def _fp8_mla_rows(kv_cache: torch.Tensor, lat: int, rope: int) -> None:
+    """A uint8 cache must hold fp8-layout rows for latent ``lat`` and rope ``rope`` (from q)."""
+    if lat % FP8_TILE:
+        raise ValueError(f"kv_lora_rank: expected a multiple of {FP8_TILE} for an fp8-layout (uint8) kv_cache, "
+                         f"got {lat}")
+    want = mla_row_bytes(lat, rope, "fp8")
+    if kv_cache.shape[1] != want:
+        raise ValueError(f"kv_cache: expected fp8-layout rows of {want} B (latent {lat} + rope {rope}, from q's "
+                         f"last dim {lat + rope}), got {kv_cache.shape[1]} B")
 
 
 # paged copies ------------------------------------------------------------------------------------

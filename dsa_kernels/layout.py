@@ -8,8 +8,9 @@ MLA latent cache, one row per token slot (slot = page * 64 + offset):
   (GLM-5 / DeepSeek-V3.2: 512 + 64 = 576 elements = 1152 B).
 * **fp8** — ``[num_slots, row_bytes]`` uint8 with ``row_bytes = L + 4 * L/128 + 2 * R``
   (GLM-5: 512 + 16 + 128 = 656 B): ``L`` e4m3 latent bytes, then ``L/128`` fp32 scales (one per
-  128-element tile, ``scale = amax / 448``), then ``R`` bf16 rope elements. This is FlashMLA's fp8
-  sparse KV layout.
+  128-element tile, ``scale = amax / 448``), then ``R`` bf16 rope elements. This is FlashMLA's
+  "FP8 with scale" sparse KV layout, which its sparse decode kernel reads (its sparse prefill kernel
+  reads bf16 only: ``dsa_kernels.vendor``).
 
 Indexer-key cache, ``[num_pages, PAGE_SIZE * (D + 4)]`` uint8 (D = 128: 64 * 132 = 8448 B per page):
 the page's 64 keys of ``D`` e4m3 bytes come first (token ``o`` at byte ``o * D``), then its 64 fp32
@@ -21,7 +22,8 @@ block, as DeepSeek-V3.2 / GLM-5 use at ``D = 128``), a power of two (ue8m0)::
 This is DeepSeek-V3.2-Exp's ``act_quant`` with ``scale_fmt`` set (``inference/kernel.py``,
 ``act_quant_kernel`` with ``round_scale``): the product ``amax * (1/448)`` rounded to fp32, then its
 exponent rounded up. Dividing by a power of two is exact, so every backend writes the same bytes.
-The MLA fp8 layout keeps FlashMLA's non-rounded ``amax / 448`` scale.
+The MLA fp8 layout keeps the non-rounded ``amax / 448`` scale (FlashMLA's kernels read any fp32
+scale; its ``tests/quant.py`` at commit 520fec6 rounds it up to a power of two).
 """
 
 from __future__ import annotations

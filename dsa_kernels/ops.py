@@ -140,7 +140,9 @@ def topk_slots(scores, page_table, req_idx, positions, k: int) -> torch.Tensor:
 
 
 def sparse_mla_prefill(q, kv_cache, indices, sm_scale: float, kv_lora_rank: int):
-    """Absorbed sparse MLA prefill: ``(out [T, H, L], lse [T, H])`` over the rows ``indices [T, K]``."""
+    """Absorbed sparse MLA prefill: ``(out [T, H, L], lse [T, H])`` over the rows ``indices [T, K]`` of a
+    bf16 ``[S, L + R]`` cache or an fp8-layout uint8 ``[S, L + 4L/128 + 2R]`` one (its rows dequantized
+    as they are gathered; ``dsa_kernels.layout``). Masking and lse as ``reference.sparse_mla``."""
     return resolve("sparse_mla_prefill", kv_cache.device)[1](q, kv_cache, indices, sm_scale, kv_lora_rank)
 
 

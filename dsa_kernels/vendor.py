@@ -9,7 +9,18 @@ the reason once. Nothing here can be called with arguments the vendor kernel wou
   by name, never looked up as an attribute), else from the ``flash_mla`` module of the
   ``sgl-flash-mla`` wheel that sglang 0.5.23 requires (its ``kernels/ops/attention/flash_mla_interface``
   calls that one). Accepts: CUDA sm90 / sm100; bf16 ``q [T, h_q, d_qk]`` with ``d_qk`` 576 (or 512,
-  no rope); ``d_v = kv_lora_rank = 512``; a bf16 cache (the fp8 656-byte layout falls back).
+  no rope); ``d_v = kv_lora_rank = 512``; a bf16 cache. The fp8 (656-byte) cache runs the Triton
+  kernel, which dequantizes the gathered rows in registers. Our fp8 row is byte for byte FlashMLA's
+  "FP8 with scale" format (512 e4m3, 4 fp32 scales one per 128 values, 64 bf16 rope: FlashMLA's
+  README, "FP8 KV Cache", and ``flash_mla_with_kvcache``'s docstring in
+  ``flash_mla/flash_mla_interface.py``; ``tests/quant.py`` ``V32_FP8Sparse`` dequantizes
+  ``e4m3 * scale``), but FlashMLA reads it only in its sparse *decode* kernel
+  (``flash_mla_with_kvcache(..., is_fp8_kvcache=True, indices=...)``): ``flash_mla_sparse_fwd``
+  takes ``kv [s_kv, h_kv, d_qk]`` bf16 (same docstring; the README's support matrix lists FP8 for
+  sparse decoding only; sglang 0.5.23's ``kernels/ops/attention/flash_mla_interface.py``: "Sparse
+  prefill over a bf16 ``kv``"). Driving the decode kernel with the prefill's tokens as one batch
+  (vLLM's "mixed batch mode") is a different contract (scheduler metadata per batch, lse
+  ``[b, h_q, s_q]``, a call signature that differs between FlashMLA releases), not adapted here.
   Heads: the kernel takes exactly ``h_q`` in ``FLASH_MLA_HEADS`` (64 or 128 on sm90, 128 on sm100),
   not a multiple of them, so ``h_q`` is zero-padded to the smallest accepted count at or above it,
   and ``h_q > 128`` runs as groups of 128 heads (per-head attention is independent: exact).
@@ -108,7 +119,8 @@ def flash_mla_unsupported(
     if major not in FLASH_MLA_HEADS:
         return f"sm{major}x: FlashMLA sparse prefill runs on sm90 / sm100 only"
     if kv_cache.dtype != torch.bfloat16:
-        return f"kv_cache {kv_cache.dtype}: FlashMLA sparse prefill reads a bf16 cache (fp8 layout not adapted)"
+        return (f"kv_cache {kv_cache.dtype}: flash_mla_sparse_fwd reads a bf16 cache (FlashMLA reads the fp8 "
+                "656-byte layout only in its sparse decode kernel)")
     if q.dtype != torch.bfloat16:
         return f"q {q.dtype}: expected bf16 (casting would change the result's precision)"
     if q.shape[-1] not in FLASH_MLA_D_QK or kv_cache.shape[-1] != q.shape[-1]:

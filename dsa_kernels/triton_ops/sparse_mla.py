@@ -1,7 +1,12 @@
 """Sparse MLA prefill attention, absorbed form, over cache rows chosen by top-k indices.
 
-On a GPU the dots take bf16 operands (the bf16 cache as stored, q and the probabilities rounded to
-bf16, as FlashMLA does) with fp32 accumulation; under the interpreter everything stays fp32.
+Two caches (``dsa_kernels.layout``): bf16 rows ``[S, L + R]``, or fp8-layout rows ``[S, row_bytes]``
+uint8, dequantized in registers as they are gathered (e4m3 latent bytes x their 128-tile's fp32
+scale, bf16 rope): no dequantize pass over the cache, no bf16 copy of it.
+
+On a GPU the dots take bf16 operands (the bf16 cache as stored or the fp8 rows dequantized to bf16,
+q and the probabilities rounded to bf16, as FlashMLA does) with fp32 accumulation; under the
+interpreter everything stays fp32.
 """
 
 from __future__ import annotations
@@ -13,18 +18,61 @@ import triton
 import triton.language as tl
 
 from dsa_kernels import contract
+from dsa_kernels.layout import FP8_TILE
 from dsa_kernels.triton_ops.offsets import as_offset, wide
 from dsa_kernels.triton_ops.rounding import to_bf16
 from lsconfig import envs
 
 
 @triton.jit
+def _load_rows_bf16(kv_ptr, safe, valid, stride_kv, r, L: tl.constexpr, R: tl.constexpr):
+    """Rows ``safe [BLOCK_K]`` of a ``[S, L + R]`` cache: ``(latent [BLOCK_K, L], rope [BLOCK_K, BLOCK_R])``
+    fp32, 0 where not ``valid``."""
+    c = tl.arange(0, L)
+    row = kv_ptr + safe * stride_kv
+    kv_lat = tl.load(row[:, None] + c[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
+    kv_pe = tl.load(row[:, None] + L + r[None, :], mask=valid[:, None] & (r[None, :] < R), other=0.0).to(tl.float32)
+    return kv_lat, kv_pe
+
+
+@triton.jit
+def _load_rows_fp8(kv_u8_ptr, kv_bf16_ptr, safe, valid, row_bytes, r, L: tl.constexpr, R: tl.constexpr,
+                   TILE: tl.constexpr, N_TILES: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Rows ``safe [BLOCK_K]`` of an fp8-layout cache, dequantized: ``(latent [BLOCK_K, L], rope
+    [BLOCK_K, BLOCK_R])`` fp32, 0 where not ``valid``. Row bytes: ``[0, L)`` e4m3, ``[L, L + 4 N_TILES)``
+    fp32 scales, then ``R`` bf16."""
+    base = safe * row_bytes  # [BLOCK_K] byte offsets, int64
+    j = tl.arange(0, N_TILES)
+    # 1. latent bytes as [BLOCK_K, N_TILES, TILE] (a tile's values beside its scale), loaded as uint8
+    #    and reinterpreted: no fp8 constant for the masked lanes, every e4m3 -> fp32 conversion exact
+    e = j[:, None] * TILE + tl.arange(0, TILE)[None, :]  # [N_TILES, TILE]
+    x = tl.load(kv_u8_ptr + base[:, None, None] + e[None, :, :], mask=valid[:, None, None], other=0)
+    x = x.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    # 2. scales from their 4 little-endian bytes: a row starts 4-byte aligned only when 2R % 4 == 0,
+    #    so an fp32 view of the cache is not always possible; 4 byte loads always are
+    s_at = kv_u8_ptr + base[:, None] + L + 4 * j[None, :]  # [BLOCK_K, N_TILES]
+    bits = tl.zeros([BLOCK_K, N_TILES], tl.uint32)
+    for b in tl.static_range(4):
+        bits |= tl.load(s_at + b, mask=valid[:, None], other=0).to(tl.uint32) << (8 * b)
+    scale = bits.to(tl.float32, bitcast=True)
+    kv_lat = tl.reshape(x * scale[:, :, None], (BLOCK_K, L))
+    # 3. rope, bf16 at byte L + 4 N_TILES (even: row_bytes is even, so the bf16 view holds every row)
+    pe_at = kv_bf16_ptr + (base + L + 4 * N_TILES) // 2
+    kv_pe = tl.load(pe_at[:, None] + r[None, :], mask=valid[:, None] & (r[None, :] < R), other=0.0).to(tl.float32)
+    # a valid row's NaN stays (the data is bad); an invalid row is 0 whatever row 0 holds (loads masked)
+    return kv_lat, kv_pe
+
+
+@triton.jit
 def _sparse_mla_prefill_kernel(
-    q_ptr, kv_ptr, idx_ptr, out_ptr, lse_ptr,
+    q_ptr, kv_ptr, kv_bf16_ptr, idx_ptr, out_ptr, lse_ptr,
     stride_qt, stride_qh, stride_kv, stride_it, stride_ot, stride_oh, topk, n_rows, sm_scale,
     H: tl.constexpr, BLOCK_H: tl.constexpr, L: tl.constexpr, R: tl.constexpr, BLOCK_R: tl.constexpr,
-    BLOCK_K: tl.constexpr, DOT_BF16: tl.constexpr, OUT_BF16: tl.constexpr, WIDE: tl.constexpr,
+    BLOCK_K: tl.constexpr, FP8: tl.constexpr, TILE: tl.constexpr, N_TILES: tl.constexpr,
+    DOT_BF16: tl.constexpr, OUT_BF16: tl.constexpr, WIDE: tl.constexpr,
 ):
+    """``kv_ptr``: the bf16 (fp16, fp32) cache, or the uint8 fp8-layout cache (``FP8``), whose rope is
+    read through its bf16 view ``kv_bf16_ptr``; ``stride_kv`` is then the row's bytes."""
     t = as_offset(tl.program_id(0), WIDE)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     hmask = h < H
@@ -45,9 +93,14 @@ def _sparse_mla_prefill_kernel(
         k = k0 + tl.arange(0, BLOCK_K)
         idx = tl.load(idx_ptr + t * stride_it + k, mask=k < topk, other=-1).to(tl.int64)
         valid = (idx >= 0) & (idx < n_rows)
-        row = kv_ptr + tl.where(valid, idx, 0) * stride_kv
-        kv_lat = tl.load(row[:, None] + c[None, :], mask=valid[:, None], other=0.0).to(op_ty)  # [BLOCK_K, L]
-        kv_pe = tl.load(row[:, None] + L + r[None, :], mask=valid[:, None] & (r[None, :] < R), other=0.0).to(op_ty)
+        safe = tl.where(valid, idx, 0)
+        if FP8:
+            kv_lat, kv_pe = _load_rows_fp8(kv_ptr, kv_bf16_ptr, safe, valid, stride_kv, r, L, R, TILE, N_TILES,
+                                           BLOCK_K)
+        else:
+            kv_lat, kv_pe = _load_rows_bf16(kv_ptr, safe, valid, stride_kv, r, L, R)
+        kv_lat = kv_lat.to(op_ty)  # [BLOCK_K, L]
+        kv_pe = kv_pe.to(op_ty)  # [BLOCK_K, BLOCK_R]
         # 2. scores [BLOCK_H, BLOCK_K], fp32
         s = (tl.dot(q_lat, tl.trans(kv_lat)) + tl.dot(q_pe, tl.trans(kv_pe))) * sm_scale
         s = tl.where(valid[None, :], s, float("-inf"))
@@ -78,7 +131,8 @@ def sparse_mla_prefill(
     sm_scale: float,
     kv_lora_rank: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``out [T, H, L]`` (q's dtype) and ``lse [T, H]`` fp32; shapes as the reference."""
+    """``out [T, H, L]`` (q's dtype) and ``lse [T, H]`` fp32; shapes, the bf16 or fp8-layout (uint8)
+    cache and the masking as the reference (``reference.sparse_mla``)."""
     contract.sparse_mla_prefill(q, kv_cache, indices, sm_scale, kv_lora_rank)
     dev = kv_cache.device
     t_count, heads, width = q.shape
@@ -88,13 +142,17 @@ def sparse_mla_prefill(
     if t_count == 0:
         return out, lse
     rope = width - lat
+    fp8 = kv_cache.dtype == torch.uint8
+    # the fp8 layout's rope through a bf16 view (rows have an even byte count); unused otherwise
+    kv_bf16 = kv_cache.view(torch.bfloat16) if fp8 else kv_cache
     block_h = 16  # 16 heads x L fp32 accumulators per program keeps registers bounded at L = 512
     _sparse_mla_prefill_kernel[(t_count, triton.cdiv(heads, block_h))](
-        q, kv_cache, indices, out, lse,
+        q, kv_cache, kv_bf16, indices, out, lse,
         q.stride(0), q.stride(1), kv_cache.stride(0), indices.stride(0), out.stride(0), out.stride(1),
         indices.shape[1], kv_cache.shape[0], float(sm_scale),
         H=heads, BLOCK_H=block_h, L=lat, R=rope, BLOCK_R=max(16, triton.next_power_of_2(rope)), BLOCK_K=32,
-        DOT_BF16=not envs.triton_interpret() and kv_cache.dtype == torch.bfloat16,
+        FP8=fp8, TILE=FP8_TILE, N_TILES=max(1, lat // FP8_TILE),
+        DOT_BF16=not envs.triton_interpret() and kv_cache.dtype in (torch.bfloat16, torch.uint8),
         OUT_BF16=q.dtype == torch.bfloat16, WIDE=wide(),
     )
     return out, lse

@@ -66,8 +66,10 @@ BAD = [
     ("indexer_scores", "positions", lambda: torch.arange(4)[::2], "positions: expected a contiguous tensor"),
     ("indexer_scores", "max_context", lambda: 129, "max_context: expected <= 128"),
     ("sparse_mla_prefill", "q", lambda: strided((2, 4, LAT + ROPE)), "q: expected a contiguous tensor"),
-    ("sparse_mla_prefill", "kv_cache", lambda: torch.zeros(10, layout.mla_row_bytes(LAT, ROPE, "fp8"), dtype=torch.uint8),
-     "kv_cache: expected dtype in"),  # the fp8 row layout has no sparse MLA kernel: refused, not misread
+    ("sparse_mla_prefill", "kv_cache", lambda: torch.zeros(10, 168, dtype=torch.uint8),  # fp8 rows are 164 B
+     "kv_cache: expected fp8-layout rows of 164 B (latent 128 + rope 16, from q's last dim 144), got 168 B"),
+    ("sparse_mla_prefill", "kv_cache", lambda: torch.zeros(10, LAT + ROPE, dtype=torch.int16),
+     "kv_cache: expected dtype in"),
     ("sparse_mla_prefill", "indices", lambda: torch.zeros(4, 2, dtype=torch.int32).T, "indices: expected a contiguous"),
     ("gather_pages", "pages", lambda: strided((3, 64), torch.uint8), "pages: expected a contiguous tensor"),
     ("scatter_pages", "packed", lambda: strided((2, 64), torch.uint8), "packed: expected a contiguous tensor"),

@@ -75,10 +75,11 @@ def build(name: str, seed: int = 0) -> dict:
                 "index_cache": index_cache(gen), "page_table": torch.tensor([[2, 0, 1], [1, 2, 0]], dtype=torch.int32),
                 "req_idx": torch.tensor([0, 1, 1, 0, 1]), "positions": torch.tensor([0, 63, 64, 150, 190]),
                 "max_context": 171, "s_start": 7}
-    if name == "sparse_mla_prefill":
+    if name.startswith("sparse_mla_prefill"):
         idx = torch.randint(-1, 45, (3, 7), generator=gen, dtype=torch.int32)  # -1 and >= rows: invalid
-        return {"q": torch.randn(3, 5, LAT + ROPE, generator=gen).to(torch.bfloat16),
-                "kv_cache": torch.randn(40, LAT + ROPE, generator=gen).to(torch.bfloat16),
+        cache = mla_cache(gen, 40, "fp8") if name.endswith("fp8") else \
+            torch.randn(40, LAT + ROPE, generator=gen).to(torch.bfloat16)
+        return {"q": torch.randn(3, 5, LAT + ROPE, generator=gen).to(torch.bfloat16), "kv_cache": cache,
                 "indices": idx, "sm_scale": 0.083, "kv_lora_rank": LAT}
     if name == "gather_pages":
         return {"pages": torch.randint(0, 256, (5, 99), dtype=torch.uint8, generator=gen),
@@ -89,7 +90,8 @@ def build(name: str, seed: int = 0) -> dict:
 
 
 CASES = ["quantize_index_keys", "dequantize_index_keys", "pack_mla_kv", "pack_mla_kv-fp8", "unpack_mla_kv",
-         "unpack_mla_kv-fp8", "indexer_scores", "sparse_mla_prefill", "gather_pages", "scatter_pages"]
+         "unpack_mla_kv-fp8", "indexer_scores", "sparse_mla_prefill", "sparse_mla_prefill-fp8", "gather_pages",
+         "scatter_pages"]
 
 
 def op_name(case: str) -> str:

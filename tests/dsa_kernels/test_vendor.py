@@ -120,11 +120,11 @@ MLA_MATRIX = [
 def test_flash_mla_gating_matrix(fake_gpu, name, sm, t, h, k, lat, rope, q_dtype, cache, to_vendor, h_pad, k_pad):
     fake_gpu["sm"] = sm
     q, kv, idx = mla_inputs(t, h, k, lat, rope, 200, q_dtype)
-    if cache == "fp8":
+    if cache == "fp8":  # the same rows in the 656-byte layout: FlashMLA's prefill reads bf16 only
+        kv_c, k_pe = kv[:, :lat].float(), kv[:, lat:].float()
         kv = torch.zeros(200, 656, dtype=torch.uint8)
-        reason = vendor.flash_mla_unsupported(q, kv, idx, lat)
-        assert reason and "fp8" in reason
-        return  # the Triton fallback has no fp8-layout attention either: the gate is what is tested
+        dispatch.resolve("pack_mla_kv", "cpu", "torch")[1](kv_c, k_pe, kv, torch.arange(200))
+        assert "fp8" in vendor.flash_mla_unsupported(q, kv, idx, lat)
     out, lse = vendor.sparse_mla_prefill(q, kv, idx, 0.07, lat)
     want_out, want_lse = reference_mla(q, kv, idx, 0.07, lat)
     calls = [c for c in fake_gpu["mla_calls"] if c[0][0] == t]  # the lse probe calls with T = 4
