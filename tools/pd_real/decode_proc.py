@@ -11,7 +11,6 @@ final outcome in ``outcomes.jsonl`` (new rooms: ``life * ROOM_STRIDE + n``)."""
 from __future__ import annotations
 
 import json
-import pickle
 import random
 from collections import Counter
 from dataclasses import replace
@@ -70,7 +69,8 @@ class DecodeProcess(Process):
         super().__init__(run_dir, name)
         from tools.pd_real.engine import open_engine
         from tools.pd_real.mooncake_engine import DecodeMemory
-        from tools.pd_real.registry_link import DurableRegistry, RegistryServer
+        from layersplit.pd.abort.messages import AbortAck, TransferDone, TransferFailed, TransferStarted
+        from tools.pd_real.registry_link import DurableRegistry, Heartbeat, RegistryServer
 
         cfg = self.run.stress
         self.registry = DurableRegistry(len(cfg.topology.ranks), run_dir)
@@ -79,9 +79,7 @@ class DecodeProcess(Process):
         self.memory = DecodeMemory(engine, session, self.life, cfg.decode.num_pages, self.run.page_bytes,
                                    cfg.topology.layers_by_rank,
                                    refuse_fenced="fence-refuses-writes" not in self.run.guards_off)
-        path = run_dir / f"layout-{self.life}.pkl"
-        path.with_suffix(".tmp").write_bytes(pickle.dumps(self.memory.layout()))
-        path.with_suffix(".tmp").replace(path)
+        self.memory.layout().save(run_dir / f"layout-{self.life}.json")
         root = random.Random(cfg.seed * 1009 + self.life)
         outcomes = run_dir / "outcomes.jsonl"
         done = {json.loads(line)["rid"] for line in outcomes.read_text().splitlines()} if outcomes.exists() else set()
@@ -95,8 +93,10 @@ class DecodeProcess(Process):
         self.router.decode = self.node
         self.server = RegistryServer(self.loop, self.registry, self.memory, cfg.prefill.lease_s,
                                      lambda rank, msg: self.channel.send("bootstrap", f"bootstrap{rank}", msg))
-        self.channel.register("decode", lambda msg, src: self.node.handle(msg, int(src[len("prefill"):])))
-        self.channel.register("bootstrap", self.server.handle)
+        prefills = [f"prefill{r}" for r in cfg.topology.ranks]
+        self.channel.register("decode", lambda msg, src: self.node.handle(msg, int(src[len("prefill"):])),
+                              accepts=(TransferStarted, TransferDone, TransferFailed, AbortAck), senders=prefills)
+        self.channel.register("bootstrap", self.server.handle, accepts=(Heartbeat,), senders=prefills)
         t = 0.0
         for rid in self.pending:
             t += self.router.rng.expovariate(1.0 / cfg.mean_arrival_s)

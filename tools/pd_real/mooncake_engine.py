@@ -46,10 +46,12 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import json
 import os
 import re
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Callable, Hashable
 
 import numpy as np
@@ -85,6 +87,17 @@ class DecodeLayout:
         if not 0 <= page < self.num_pages:
             raise ValueError(f"page: expected an index in [0, {self.num_pages}), got {page}")
         return self.bases[layer] + page * self.page_bytes
+
+    def save(self, path: Path) -> None:
+        """Publish as JSON at ``path``, atomically (a reader never sees half a layout)."""
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(asdict(self)))
+        tmp.replace(path)
+
+    @classmethod
+    def load(cls, path: Path) -> "DecodeLayout":
+        fields = json.loads(path.read_text())
+        return cls(**{**fields, "bases": tuple(fields["bases"])})
 
 
 class DecodeMemory:

@@ -8,7 +8,7 @@ writes ``RUN_DIR/config.pkl`` (a :class:`~tools.pd_real.process.RealRun`) and on
 per process (its addresses, and a prefill process's incarnation; decode's life is the registry's:
 ``decode-life-decode``, see :mod:`tools.pd_real.registry_link`); each process writes, as it goes:
 
-* ``ready-NAME`` once it serves; decode also ``layout-LIFE.pkl`` (its session and regions) first;
+* ``ready-NAME`` once it serves; decode also ``layout-LIFE.json`` (its session and regions) first;
 * ``NAME.stats.json`` every ``snapshot_s`` and at exit (atomic rename: a SIGKILL leaves the last one);
 * decode: ``outcomes.jsonl``, one line per request id that reached its final outcome.
 

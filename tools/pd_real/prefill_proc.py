@@ -9,7 +9,6 @@ one registers; see :mod:`tools.pd_real.registry_link`)."""
 
 from __future__ import annotations
 
-import pickle
 from dataclasses import replace
 
 from tools.pd_real.process import Process
@@ -20,10 +19,11 @@ DRAIN_S = 5.0  # longer than the longest forward (PrefillConfig.straggler_s)
 class PrefillProcess(Process):
     def __init__(self, run_dir, name: str) -> None:
         super().__init__(run_dir, name)
+        from layersplit.pd.abort.messages import Abort, TransferRequest
         from layersplit.pd.abort.prefill_side import PrefillNode
         from tools.pd_real.engine import open_engine
         from tools.pd_real.mooncake_engine import MooncakeEngine
-        from tools.pd_real.registry_link import RegistryClient
+        from tools.pd_real.registry_link import RegistryClient, Revoked
 
         cfg = self.run.stress
         self.rank, self.incarnation, self.endpoint = self.me["rank"], self.me["incarnation"], self.me["endpoint"]
@@ -41,8 +41,8 @@ class PrefillProcess(Process):
             self.node.restart()
         assert self.node.incarnation == self.incarnation, (self.node.incarnation, self.incarnation)
         self.must_exit = False
-        self.channel.register(self.endpoint, self.node.handle)
-        self.channel.register(f"bootstrap{self.rank}", self._bootstrap)
+        self.channel.register(self.endpoint, self.node.handle, accepts=(TransferRequest, Abort), senders=("decode",))
+        self.channel.register(f"bootstrap{self.rank}", self._bootstrap, accepts=(Revoked,), senders=("bootstrap",))
 
     def _send(self, msg: object) -> None:
         self.channel.send(self.endpoint, "decode", msg)
@@ -62,10 +62,12 @@ class PrefillProcess(Process):
     def _layout(self, life: int):
         """Decode life ``life``'s session and regions (published before it sent anything)."""
         if life not in self._layouts:
-            path = self.run_dir / f"layout-{life}.pkl"
+            from tools.pd_real.mooncake_engine import DecodeLayout
+
+            path = self.run_dir / f"layout-{life}.json"
             if not path.exists():
                 return None
-            self._layouts[life] = pickle.loads(path.read_bytes())  # noqa: S301 - the supervisor's run dir
+            self._layouts[life] = DecodeLayout.load(path)
         return self._layouts[life]
 
     def _settled(self) -> bool:

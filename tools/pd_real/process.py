@@ -60,6 +60,9 @@ class Process(ABC):
         from tools.pd_real.zmq_channel import ZmqChannel
 
         self.run_dir, self.name = run_dir, name
+        # pickle only here: the supervisor (storm.py) wrote this file for its own children, and no socket
+        # reaches it (control frames are tools.pd_real.wire's msgpack). It trusts the run dir as it trusts
+        # the checkout: one other users can write (an --out DIR of theirs) is no place for a run.
         self.run: RealRun = pickle.loads((run_dir / "config.pkl").read_bytes())  # noqa: S301 - our own file
         self.me = json.loads((run_dir / f"{name}.json").read_text())
         self.loop = WallLoop()

@@ -11,8 +11,9 @@ FIFO per connection — while it drops, delays or cuts messages:
 * :meth:`FaultProxy.partition`: for ``seconds`` every message from or to an endpoint name is lost —
   at arrival and again when a delayed message falls due, as a cut link loses what is on it.
 
-The proxy reads the ``(src, dst, msg)`` triple :class:`ZmqChannel` pickles, only to learn the endpoint
-names; it forwards the original bytes. Loopback only: it refuses any other address. It runs on one
+The proxy decodes each :mod:`~tools.pd_real.wire` frame (never unpickles: anything local can connect) only
+to learn the endpoint names; it forwards the original bytes. A frame the wire refuses is counted in
+``stats["malformed_frames"]`` and never forwarded. Loopback only: it refuses any other address. It runs on one
 daemon thread of the calling process, which owns all its sockets (ZMQ sockets are not thread-safe);
 the control methods only touch a lock-protected table.
 """
@@ -21,12 +22,13 @@ from __future__ import annotations
 
 import heapq
 import itertools
-import pickle
 import random
 import threading
 import time
 from dataclasses import dataclass
 from urllib.parse import urlsplit
+
+from tools.pd_real import wire
 
 LOOPBACK = ("127.0.0.1", "localhost")
 
@@ -62,7 +64,7 @@ class FaultProxy:
         if not isinstance(faults, ProxyFaults):
             raise ValueError(f"faults: expected a ProxyFaults, got {type(faults).__name__}")
         self.faults, self._rng = faults, random.Random(seed)
-        self.stats = {"received": 0, "forwarded": 0, "dropped": 0, "cut": 0}
+        self.stats = {"received": 0, "forwarded": 0, "dropped": 0, "cut": 0, "malformed_frames": 0}
         self._cuts: dict[str, float] = {}  # endpoint name -> monotonic end of its partition
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -123,6 +125,7 @@ class FaultProxy:
                 sock = ctx.socket(zmq.ROUTER)
                 sock.setsockopt(zmq.LINGER, 0)
                 sock.setsockopt(zmq.RCVHWM, 0)
+                sock.setsockopt(zmq.MAXMSGSIZE, wire.MAX_FRAME_BYTES)  # ZMQ drops a larger one unread
                 sock.bind(proxy)
                 inboxes[sock] = up
         except BaseException as exc:  # reported to start(), which raises it in the caller
@@ -144,10 +147,10 @@ class FaultProxy:
                 for sock, _ in poller.poll(wait):
                     while True:
                         try:
-                            identity, payload = sock.recv_multipart(zmq.NOBLOCK)
+                            parts = sock.recv_multipart(zmq.NOBLOCK)
                         except zmq.Again:
                             break
-                        self._arrive(held, last, seq, (inboxes[sock], identity), payload)
+                        self._arrive(held, last, seq, (inboxes[sock], parts[0]), parts[1:])
                 now = time.monotonic()
                 while held and held[0][0] <= now:
                     _, _, conn, payload, src, dst = heapq.heappop(held)
@@ -166,10 +169,15 @@ class FaultProxy:
             for sock in [*inboxes, *upstream.values()]:
                 sock.close()
 
-    def _arrive(self, held: list, last: dict, seq, conn: tuple, payload: bytes) -> None:
+    def _arrive(self, held: list, last: dict, seq, conn: tuple, frames: list[bytes]) -> None:
+        """One read of a proxy ROUTER (``frames``: what followed the sender's identity; one frame)."""
         self.stats["received"] += 1
-        # noqa below: only loopback peers the caller started send here (addresses are checked loopback)
-        src, dst, _ = pickle.loads(payload)  # noqa: S301
+        payload = frames[0] if len(frames) == 1 else None  # decode refuses None as it refuses garbage
+        try:
+            src, dst, _ = wire.decode(payload)
+        except wire.WireError:
+            self.stats["malformed_frames"] += 1
+            return
         if self.cut(src) or self.cut(dst):
             self.stats["cut"] += 1
             return

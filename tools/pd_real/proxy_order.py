@@ -2,7 +2,7 @@
 :class:`~tools.pd_real.proxy.FaultProxy` drops, delays and partitions them.
 
 A sender process (a :class:`~tools.pd_real.zmq_channel.ZmqChannel` endpoint ``"send"``) sends
-``(1, seq)`` for seq = 0, 1, … at a steady pace to ``"recv"`` through the proxy; the receiver (this
+``Seq(1, seq)`` for seq = 0, 1, … at a steady pace to ``"recv"`` through the proxy; the receiver (this
 process) records every arrival. Part-way through, the sender's link is cut for ``partition_s``.
 What must hold: no message arrives out of order or twice, and every message the proxy did not lose
 arrives (received == sent - dropped - cut); gaps are exactly where the proxy lost messages.
@@ -15,7 +15,7 @@ import time
 from tools.pd_real.probes import CTX
 from tools.pd_real.proxy import FaultProxy, ProxyFaults
 from tools.pd_real.zmq_channel import ZmqChannel
-from tools.pd_real.zmq_order import summarize
+from tools.pd_real.zmq_order import Seq, summarize
 
 
 def paced_sender(addresses: dict[str, str], count: int, pace_s: float, done) -> None:
@@ -24,7 +24,7 @@ def paced_sender(addresses: dict[str, str], count: int, pace_s: float, done) -> 
     channel = ZmqChannel(addresses, addresses["send"])
     start = time.monotonic()
     for seq in range(count):
-        channel.send("send", "recv", (1, seq))
+        channel.send("send", "recv", Seq(1, seq))
         time.sleep(max(0.0, start + (seq + 1) * pace_s - time.monotonic()))
     done.send("sent")
     done.recv()
@@ -45,7 +45,7 @@ def order_through_proxy(count: int = 2000, drop: float = 0.1, min_delay_s: float
     faults = ProxyFaults(drop=drop, min_delay_s=min_delay_s, max_delay_s=max_delay_s)
     arrivals: list[tuple[int, int]] = []
     channel = ZmqChannel({"recv": recv, "send": send}, recv)
-    channel.register("recv", lambda msg, src: arrivals.append(tuple(msg)))
+    channel.register("recv", lambda msg, src: arrivals.append((msg.incarnation, msg.seq)), accepts=(Seq,))
     here, there = CTX.Pipe()
     with FaultProxy({via: recv}, faults, seed=seed) as proxy:
         proc = CTX.Process(target=paced_sender, args=({"recv": via, "send": send}, count, pace_s, there),

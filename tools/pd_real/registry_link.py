@@ -69,12 +69,16 @@ class RegistryServer:
         self.loop, self.registry, self.memory, self.lease_s, self.send = loop, registry, memory, lease_s, send
         self.last: dict[int, tuple[int, float]] = {}  # rank -> (incarnation, last heartbeat time)
         self.admitted: dict[int, int] = {}  # rank -> newest incarnation admitted
-        self.stats = {"heartbeats": 0, "admissions": 0, "readmissions": 0, "expiries": 0, "revoked_sent": 0}
+        self.stats = {"heartbeats": 0, "admissions": 0, "readmissions": 0, "expiries": 0, "revoked_sent": 0,
+                      "misaddressed": 0}
         self.loop.after(lease_s / 4, self._check_leases)
 
     def handle(self, msg: Heartbeat, src: str | None = None) -> None:
         rank, inc = msg.rank, msg.incarnation
         self.stats["heartbeats"] += 1
+        if not 0 <= rank < len(self.registry.revoked) or src not in (None, f"prefill{rank}"):
+            self.stats["misaddressed"] += 1  # a heartbeat names the rank whose endpoint sent it, or is ignored
+            return
         if inc <= self.registry.revoked[rank]:
             self.stats["revoked_sent"] += 1
             return self.send(rank, Revoked(rank, inc))

@@ -87,7 +87,7 @@ class Supervisor:
         # (its life is the registry's own — the same number while only this supervisor starts decode)
         self.log = (run_dir / "faults.jsonl").open("a")
         self.t0 = 0.0
-        (run_dir / "config.pkl").write_bytes(pickle.dumps(run))
+        (run_dir / "config.pkl").write_bytes(pickle.dumps(run))  # read back by our children only (Process)
 
     # processes ---------------------------------------------------------------------------------------
     def _spawn(self, role: str, name: str, me: dict, wait_ready: bool = True) -> None:

@@ -63,6 +63,10 @@ def report(run, faults, run_dir: Path, wall_s: float, proxy_stats: dict) -> dict
         "decode_lives": len(lives), "lives": [{k: life[k] for k in ("life", "pending_at_start", "final_outcomes")}
                                               for life in lives], "prefill_incarnations": len(prefills),
         "faults": events, "proxy": proxy_stats,
+        # control frames dropped unread (tools.pd_real.wire): none of the pair's own; any is a stranger's or a bug
+        "malformed_frames": proxy_stats["malformed_frames"]
+        + sum(r["channel"]["malformed_frames"] for r in lives + prefills),
+        "refused_frames": sum(r["channel"]["refused_frames"] for r in lives + prefills),
         "overwrites": sum_life("overwrites"), "stale_reads": sum_life("stale_reads"),
         "landing": {k: sum_life(k) for k in ("pages_read", "overwrites_at_release", "late_writes_on_free_pages",
                                              "late_writes_at_alloc", "scans")},

@@ -13,9 +13,19 @@ import multiprocessing as mp
 import os
 import signal
 import time
+from dataclasses import dataclass
 
 CTX = mp.get_context("spawn")
 PATTERNS = {"push": ("PUSH", "PULL"), "dealer": ("DEALER", "ROUTER")}
+
+
+@dataclass(frozen=True)
+class Seq:
+    """An order probe's message over :class:`~tools.pd_real.zmq_channel.ZmqChannel` (a wire type; the
+    raw-socket probe here sends the same pair as JSON)."""
+
+    incarnation: int
+    seq: int
 
 
 def sender(endpoint: str, pattern: str, incarnation: int, count: int, hold) -> None:

@@ -12,6 +12,7 @@ from layersplit.pd.abort.messages import TransferDone
 from tools.pd_real.proxy import FaultProxy, ProxyFaults
 from tools.pd_real.proxy_order import order_through_proxy
 from tools.pd_real.zmq_channel import ZmqChannel
+from tools.pd_real.zmq_order import Seq
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -64,7 +65,7 @@ def test_a_partition_cuts_both_directions_until_it_heals():
         d.close(), p.close()
     assert [(src, m.rid) for src, m in got_decode] == [("prefill0", 2)]
     assert [(src, m.rid) for src, m in got_prefill] == [("decode", 3)]
-    assert proxy.stats == {"received": 4, "forwarded": 2, "dropped": 0, "cut": 2}
+    assert proxy.stats == {"received": 4, "forwarded": 2, "dropped": 0, "cut": 2, "malformed_frames": 0}
 
 
 def test_delays_never_reorder_one_connection():
@@ -76,11 +77,11 @@ def test_delays_never_reorder_one_connection():
     try:
         with FaultProxy({via: recv}, ProxyFaults(min_delay_s=0.0, max_delay_s=0.05), seed=1):
             for i in range(300):
-                s.send("send", "recv", i)
+                s.send("send", "recv", Seq(1, i))
             _pump_until(r, got, 300)
     finally:
         r.close(), s.close()
-    assert got == list(range(300))
+    assert got == [Seq(1, i) for i in range(300)]
 
 
 @pytest.mark.parametrize("routes, field", [

@@ -21,7 +21,9 @@ def _storm(tmp_path, fence_after_s=30.0, fence_unreachable_s=None, **kw):
     cfg = PDStressConfig(requests=200, seed=kw.pop("seed", 1), topology=PrefillTopology(((0,), (1,))),
                          restart_mean_s=None, **kw,
                          decode=DecodeConfig(fence_after_s=fence_after_s, fence_unreachable_s=fence_unreachable_s))
-    return run_real_storm(RealRun(cfg), FAULTS, tmp_path / "storm")
+    report = run_real_storm(RealRun(cfg), FAULTS, tmp_path / "storm")
+    assert report["malformed_frames"] == report["refused_frames"] == 0, report  # every frame of the pair's is taken
+    return report
 
 
 def _events(report):
