@@ -7,7 +7,7 @@ import argparse
 import json
 
 from layersplit.cli import options
-from layersplit.plan.choices import MODES, SCHEDULES, SPLITS, STRATEGIES
+from layersplit.plan.choices import ENGINE_KV_DTYPES, MODES, SCHEDULES, SPLITS, STRATEGIES
 
 
 def add_parser(sub: argparse._SubParsersAction, int_at_least) -> None:
@@ -32,6 +32,9 @@ def add_parser(sub: argparse._SubParsersAction, int_at_least) -> None:
     p.add_argument("--schedule", choices=SCHEDULES, default="overlapped",
                    help="overlapped (default): the KV broadcast on its own stream and communicator, under the "
                         "indexer; legacy: one FIFO comm stream (the KV broadcast delays the indexer's all-gather)")
+    p.add_argument("--kv-dtype", choices=ENGINE_KV_DTYPES, default="bf16", dest="kv_dtype",
+                   help="MLA cache rows in every pool, host tier and broadcast: bf16 (default) or fp8 (e4m3 latent "
+                        "+ fp32 tile scales + bf16 rope); the reference runs the same dtype")
     p.add_argument("--host-tier", action="store_true", dest="host_tier",
                    help="the cached prefixes sit in each rank's host tier and reload layer by layer (HiCache)")
     p.add_argument("--bcast-kv-delay-ms", type=options.number_in(0, 10_000), default=0.0, dest="bcast_kv_delay_ms",
@@ -40,6 +43,15 @@ def add_parser(sub: argparse._SubParsersAction, int_at_least) -> None:
                    help="write a Chrome trace-event JSON here (checked before the run)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=run_prefill)
+
+
+def _bcast_text(bcast: dict, bcast_kv: dict) -> str:
+    """Mean bytes a layer's broadcasts move, and their KV part."""
+    if not bcast:
+        return "none"
+    mean = sum(bcast.values()) / len(bcast)
+    return (f"{mean:,.0f} B ({mean / 2**20:,.3f} MiB) on average over {len(bcast)} layers, of which KV "
+            f"{sum(bcast_kv.values()) / len(bcast_kv):,.0f} B, the rest indexer keys")
 
 
 def _text(r: dict) -> str:
@@ -52,10 +64,10 @@ def _text(r: dict) -> str:
                                f"{r['new_tokens']:,} new tokens"),
         ("prefill time (measured)", f"{r['prefill_seconds'] * 1e3:,.1f} ms on {r['measured_on']}"),
         ("throughput (measured)", f"{r['tokens_per_s']:,.0f} new tokens/s"),
+        ("KV cache dtype", f"{r['kv_dtype']} (the reference's too)"),
         ("KV per rank: owned + scratch", ", ".join(f"r{i}: {k['owned'] / 2**20:,.2f} + {k['scratch'] / 2**20:,.2f} MiB"
                                                     for i, k in enumerate(kv))),
-        ("broadcast per layer (rank 0)", (f"{sum(bcast.values()) / max(len(bcast), 1) / 2**20:,.3f} MiB on average "
-                                          f"over {len(bcast)} layers") if bcast else "none"),
+        ("broadcast per layer (rank 0)", _bcast_text(bcast, r["bcast_kv_bytes_per_layer"])),
         ("max |deviation| vs reference", f"{r['max_abs_deviation_vs_reference']:.3g}"),
         ("kernels / schedule", f"{r['kernel_backend']} / {r['schedule']}"
                                + (" / prefixes reloaded from the host tier" if r["host_tier"] else "")),
@@ -86,12 +98,17 @@ def run_prefill(args: argparse.Namespace) -> int:
         result = prefill(model, cp=args.cp, mode=args.mode, context_len=args.context_len, hit=args.hit,
                          requests=args.requests, seed=args.seed, ownership=args.ownership, split=args.split,
                          trace=bool(args.trace), progress=options.stage_printer("prefill"),
-                         schedule=args.schedule, bcast_kv_delay_ms=args.bcast_kv_delay_ms, host_tier=args.host_tier)
+                         schedule=args.schedule, bcast_kv_delay_ms=args.bcast_kv_delay_ms, host_tier=args.host_tier,
+                         kv_dtype=args.kv_dtype)
     except ValueError as exc:  # the library names its argument; the user typed the flag
         raise ValueError(options.as_flag(str(exc))) from None
     report = result.as_dict()
     if args.trace:
-        write_trace(args.trace, result.trace_events)
         report["trace"] = str(args.trace)
-    print(json.dumps(report) if args.json else _text(report))
+    print(json.dumps(report) if args.json else _text(report))  # the result first: a failed write loses only the file
+    if args.trace:
+        try:
+            write_trace(args.trace, result.trace_events)
+        except OSError as exc:
+            raise ValueError(f"--trace: could not write {str(args.trace)!r}: {exc.strerror or exc}") from None
     return 1 if report.get("sanitizer_hazards") else 0  # a missing stream edge is a bug

@@ -2,7 +2,9 @@
 and ``layersplit`` (owned layers at full capacity + two batch-sized scratch slots).
 
 ``read_buffers(layer, plan)`` returns what the forward of ``layer`` reads: the KV buffer, the
-indexer buffer and the page table that maps the batch's request positions into them.
+indexer buffer and the page table that maps the batch's request positions into them. The KV buffers
+hold rows of the spec's ``kv_dtype`` (bf16, or fp8 as uint8 rows); a scratch slot's page view is uint8
+for both, so a broadcast lands in it as bytes.
 """
 
 from __future__ import annotations

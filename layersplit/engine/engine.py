@@ -2,7 +2,7 @@
 
 Per layer ``l`` (``layersplit`` mode; ``redundant`` skips every broadcast and scratch step):
 
-1. project the rank's new tokens; all-gather every rank's new rows (bf16 KV + index key);
+1. project the rank's new tokens; all-gather every rank's new rows (bf16 latent, rope and index key);
 2. owner of ``l``: writes the new rows into its pool and reads the pool. Non-owner: waits for the
    all-gather and the **indexer-key broadcast** of ``l`` (issued one layer earlier), writes the new
    index keys into the scratch slot and runs the indexer + top-k; only then waits for the **KV
@@ -25,6 +25,14 @@ of layer l is ordered, through them, only after layers l-2 and earlier.) A secon
 finer-grained split on one, because a communicator runs its collectives in issue order (NCCL on its
 own internal stream, gloo per group): separating the streams without separating the communicators
 would serialize them again. Both communicators see their collectives in the same order on every rank.
+
+**fp8 KV** (``kv_dtype="fp8"``): every MLA cache row is the uint8 row of :mod:`dsa_kernels.layout` (e4m3
+latent, fp32 tile scales, bf16 rope: 656 B for GLM-5 against 1152 B in bf16) in the pools, the scratch
+slots, the host tier and the KV broadcast, which sends page views as bytes for either dtype. The new rows
+are all-gathered in bf16 for both and quantized where they land (``pack_mla_kv``, step 2): a row's bytes
+depend on that bf16 row alone (one scale per 128-element tile of it), so every rank, and the
+single-process reference at fp8, stores the same bytes for the same row: a CP run is compared with the
+reference like with like. Sparse attention dequantizes the rows it reads.
 
 Layers without an indexer reuse the last top-k (positions, mapped through this layer's table).
 The owner gathers only the batch's prefix pages (``plan.bcast_pages``) and, when its prefix rows of
@@ -108,7 +116,7 @@ class EngineConfig:
     pool_pages: int = 256  # pool capacity (pages of 64 tokens per held layer)
     max_batch_tokens: int = 16384  # sizes each scratch slot
     max_requests: int = 8
-    kv_dtype: str = "bf16"
+    kv_dtype: str = "bf16"  # the MLA cache rows: bf16, or fp8 (uint8 rows, see the module docstring)
     weight_seed: int = 0
     prefix_seed: int = 1
     trace: bool = True
@@ -117,8 +125,7 @@ class EngineConfig:
     def __post_init__(self) -> None:
         # checked where the config is made (the parent), before any rank process starts
         if self.kv_dtype not in ENGINE_KV_DTYPES:
-            raise ValueError(f"kv_dtype: expected one of {ENGINE_KV_DTYPES} for the CP engine (its sparse attention "
-                             f"reads bf16 rows; fp8 KV with layer split is the SGLang plug-in's), got {self.kv_dtype!r}")
+            raise ValueError(f"kv_dtype: expected one of {ENGINE_KV_DTYPES}, got {self.kv_dtype!r}")
         if self.schedule not in SCHEDULES:
             raise ValueError(f"schedule: expected one of {SCHEDULES}, got {self.schedule!r}")
         if not isinstance(self.faults, FaultInjection):
@@ -133,6 +140,7 @@ class RankResult:
     seconds: float
     kv_bytes: dict[str, int]
     bcast_bytes: dict[int, int] = field(default_factory=dict)  # layer -> bytes this rank sent or received
+    bcast_kv_bytes: dict[int, int] = field(default_factory=dict)  # layer -> the KV part of them (rows in kv_dtype)
     trace: list[dict] = field(default_factory=list)
     reload_bytes: int = 0  # host-tier bytes this rank copied to its device pool (measured)
     bcast_wait_s: float = 0.0  # compute time spent waiting for broadcasts (exposed communication)
@@ -291,9 +299,14 @@ class RankEngine:
             events[part] = self.comm.broadcast(
                 f"bcast_{part}[{layer}]", owner, lambda s=src_pages: gather_pages(s, plan.bcast_pages), recv,
                 after, channel="kv" if part == "kv" else "main", layer=layer)
-            page_bytes = self.spec.index_page_bytes if part == "index" else PAGE_SIZE * self.spec.kv_row_bytes
-            self._bcast_bytes[layer] = self._bcast_bytes.get(layer, 0) + plan.n_bcast * page_bytes
+            self._count_bcast(layer, part, plan.n_bcast * (src_pages if recv is None else recv).shape[1])
         return events
+
+    def _count_bcast(self, layer: int, part: str, nbytes: int) -> None:
+        """Bytes a broadcast moves (pages x the page width of the buffer it sends or receives)."""
+        self._bcast_bytes[layer] = self._bcast_bytes.get(layer, 0) + nbytes
+        if part == "kv":
+            self._bcast_kv_bytes[layer] = nbytes
 
     # one layer -----------------------------------------------------------------------------------
     def _gather_new_rows(self, layer: int, p: Projections, plan: BatchPlan) -> tuple[Event, list[torch.Tensor]]:
@@ -389,6 +402,7 @@ class RankEngine:
 
     def _prefill(self, requests: list[Request], plan: BatchPlan) -> RankResult:
         self._bcast_bytes: dict[int, int] = {}
+        self._bcast_kv_bytes: dict[int, int] = {}
         self._waits, self._released = [], {}
         self._install_delays()
         self.tracer.start(self.compute)
@@ -423,7 +437,8 @@ class RankEngine:
         comm_waits = sum(s.elapsed_time(e) for name, s, e in self._waits if not name.startswith("hicache")) / 1e3
         # device tensors: the caller copies them to the host after the forward (the launcher does)
         return RankResult(rank=self.rank, hidden=h, local=loc, seconds=seconds, kv_bytes=self.pool.kv_bytes(),
-                          bcast_bytes=dict(self._bcast_bytes), trace=list(self.tracer.events),
+                          bcast_bytes=dict(self._bcast_bytes), bcast_kv_bytes=dict(self._bcast_kv_bytes),
+                          trace=list(self.tracer.events),
                           reload_bytes=load.bytes_copied if load else 0, bcast_wait_s=waits, comm_wait_s=comm_waits,
                           kv_order=self._kv_order(), reload_bytes_by_layer=dict(load.bytes_by_layer) if load else {})
 

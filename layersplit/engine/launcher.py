@@ -210,7 +210,8 @@ def run_cp(model: ModelConfig, scenarios: list[Scenario], cp: int, timeout_s: fl
 
 
 def run_reference(model: ModelConfig, scenario: Scenario, row_blocks: int = 1) -> CPResult:
-    """The single-process reference: one rank, every layer in its pool, nothing communicated.
+    """The single-process reference: one rank, every layer in its pool, nothing communicated, the
+    scenario's ``kv_dtype`` kept (fp8: the same quantized rows as the CP ranks store, like with like).
     ``row_blocks > 1``: its GEMMs over that many row blocks (:class:`RowBlocks`: what a different
     row split alone changes on a device whose GEMMs are not batch-invariant)."""
     cfg = replace(scenario.cfg, cp=1, mode="redundant", faults=FaultInjection())  # nothing to stall or skip

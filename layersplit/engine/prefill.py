@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass, field
 from dsa_kernels.layout import PAGE_SIZE
 from layersplit.engine.batch_plan import SPLITS
 from layersplit.engine.cp_pool import MODES
+from layersplit.plan.choices import ENGINE_KV_DTYPES
 from layersplit.plan.ownership import STRATEGIES, plan_ownership
 from layersplit.plan.config import ModelConfig, load_model
 
@@ -39,6 +40,8 @@ class PrefillReport:
     bcast_bytes_per_layer: dict
     max_abs_deviation_vs_reference: float
     measured_on: str
+    kv_dtype: str = "bf16"  # the MLA cache rows (the reference's too)
+    bcast_kv_bytes_per_layer: dict = field(default_factory=dict)  # the KV part of bcast_bytes_per_layer
     schedule: str = "overlapped"
     host_tier: bool = False  # the prefixes were reloaded from the host tier during the prefill
     kernel_backend: str = "torch"  # what dispatch picked for the engine's ops on this device
@@ -96,13 +99,14 @@ def available_memory_bytes() -> int | None:
 
 
 def check_arguments(model: ModelConfig, *, cp: int, mode: str, ownership: str, split: str, requests: int,
-                    context_len: int, hit: float, seed: int) -> None:
+                    context_len: int, hit: float, seed: int, kv_dtype: str = "bf16") -> None:
     """Every argument of :func:`prefill`, and whether the run fits this machine; raises ``ValueError``
     naming the argument (the CLI's flag is the same name with dashes)."""
     for name, value, low in (("cp", cp, 1), ("requests", requests, 1), ("context_len", context_len, 2)):
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
             raise ValueError(f"{name}: expected an integer >= {low}, got {value!r}")
-    for name, value, allowed in (("mode", mode, MODES), ("ownership", ownership, STRATEGIES), ("split", split, SPLITS)):
+    for name, value, allowed in (("mode", mode, MODES), ("ownership", ownership, STRATEGIES), ("split", split, SPLITS),
+                                 ("kv_dtype", kv_dtype, ENGINE_KV_DTYPES)):
         if value not in allowed:
             raise ValueError(f"{name}: expected one of {allowed}, got {value!r}")
     if not (isinstance(hit, (int, float)) and 0 <= hit < 1):
@@ -114,12 +118,13 @@ def check_arguments(model: ModelConfig, *, cp: int, mode: str, ownership: str, s
     plan_ownership(model.num_layers, cp, ownership)
     pool_pages = requests * -(-context_len // PAGE_SIZE)
     processes = cp + 1  # the rank processes and the reference in this one
-    need = processes * weight_bytes(model) + 2 * cache_bytes(model, pool_pages)
+    caches = cache_bytes(model, pool_pages, kv_dtype)
+    need = processes * weight_bytes(model) + 2 * caches
     have = available_memory_bytes()
     if have is not None and need > have:
         raise ValueError(f"model {model.name!r} with context_len {context_len} x {requests} request(s): the engine "
                          f"keeps fp32 weights ({weight_bytes(model) / 2**30:,.1f} GiB) in each of {processes} "
-                         f"processes and caches of about {cache_bytes(model, pool_pages) / 2**30:,.1f} GiB, "
+                         f"processes and {kv_dtype} caches of about {caches / 2**30:,.1f} GiB, "
                          f"{need / 2**30:,.1f} GiB in all; this machine has {have / 2**30:,.1f} GiB available "
                          "(on a CPU use --model tiny)")
 
@@ -146,14 +151,15 @@ def _kv_order_summary(result) -> str:
 def prefill(model: str | ModelConfig = "tiny", *, cp: int = 2, mode: str = "layersplit", context_len: int = 8192,
             hit: float = 0.9, requests: int = 1, seed: int = 0, ownership: str = "contiguous",
             split: str = "zigzag", trace: bool = False, progress=None, schedule: str = "overlapped",
-            bcast_kv_delay_ms: float = 0.0, host_tier: bool = False) -> PrefillReport:
+            bcast_kv_delay_ms: float = 0.0, host_tier: bool = False, kv_dtype: str = "bf16") -> PrefillReport:
     """Prefill ``requests`` synthetic requests on ``cp`` rank processes and check the result against
     the single-process reference (``max_abs_deviation_vs_reference``; when the kernels are not the
     torch reference, also against the torch-reference engine). ``trace``: keep every rank's trace
     events (``report.trace_events``, for :func:`layersplit.engine.trace.write_trace`).
     ``schedule``: ``overlapped`` (default) or ``legacy`` (one FIFO comm stream); ``bcast_kv_delay_ms``
     stalls every KV broadcast (to see what the schedule hides); ``host_tier``: the cached prefixes are
-    reloaded from each rank's host tier layer by layer during the prefill (HiCache).
+    reloaded from each rank's host tier layer by layer during the prefill (HiCache). ``kv_dtype``: the MLA
+    cache rows, ``bf16`` (default) or ``fp8`` (the reference then runs fp8 too: same bytes, same numerics).
     ``progress(stage: str)``: told when each stage starts (the run takes seconds to minutes on a CPU)."""
     import torch
 
@@ -164,7 +170,7 @@ def prefill(model: str | ModelConfig = "tiny", *, cp: int = 2, mode: str = "laye
 
     cfg_model = model if isinstance(model, ModelConfig) else load_model(model)
     check_arguments(cfg_model, cp=cp, mode=mode, ownership=ownership, split=split, requests=requests,
-                    context_len=context_len, hit=hit, seed=seed)
+                    context_len=context_len, hit=hit, seed=seed, kv_dtype=kv_dtype)
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule: expected one of {SCHEDULES}, got {schedule!r}")
     if isinstance(bcast_kv_delay_ms, bool) or not isinstance(bcast_kv_delay_ms, (int, float)) \
@@ -177,7 +183,7 @@ def prefill(model: str | ModelConfig = "tiny", *, cp: int = 2, mode: str = "laye
     reqs = synthetic_requests(requests, context_len, hit, cfg_model.vocab_size, seed, from_host=host_tier)
     cfg = EngineConfig(mode=mode, cp=cp, ownership=ownership, split=split,
                        pool_pages=requests * -(-context_len // PAGE_SIZE), max_batch_tokens=requests * context_len,
-                       max_requests=requests, trace=trace, schedule=schedule,
+                       max_requests=requests, trace=trace, schedule=schedule, kv_dtype=kv_dtype,
                        faults=FaultInjection(bcast_kv_delay_s=bcast_kv_delay_ms / 1e3))
     scenario = Scenario("prefill", reqs, cfg)
     say = progress or (lambda stage: None)
@@ -195,7 +201,8 @@ def prefill(model: str | ModelConfig = "tiny", *, cp: int = 2, mode: str = "laye
         model=cfg_model.name, cp=cp, mode=mode, ownership=ownership, split=split, requests=requests,
         context_len=context_len, hit=hit, new_tokens=new_tokens, prefill_seconds=result.seconds,
         tokens_per_s=new_tokens / result.seconds, kv_bytes_per_rank=[r.kv_bytes for r in result.ranks],
-        bcast_bytes_per_layer=result.ranks[0].bcast_bytes if cp > 1 else {},
+        kv_dtype=kv_dtype, bcast_bytes_per_layer=result.ranks[0].bcast_bytes if cp > 1 else {},
+        bcast_kv_bytes_per_layer=result.ranks[0].bcast_kv_bytes if cp > 1 else {},
         max_abs_deviation_vs_reference=float((result.hidden - reference.hidden).abs().max()),
         measured_on=f"cuda ({cp_backend(cp)})" if torch.cuda.is_available() else "cpu (gloo, emulated streams)",
         schedule=schedule, host_tier=host_tier, kernel_backend=backend, max_abs_deviation_vs_torch_engine=vs_torch,

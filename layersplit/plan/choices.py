@@ -7,4 +7,6 @@ STRATEGIES = ("contiguous", "round-robin")  # layer ownership (:mod:`layersplit.
 # CP comm schedule (:mod:`layersplit.engine.engine`): the KV broadcast on its own stream and communicator
 # (``overlapped``) or every collective on one FIFO stream (``legacy``, the old order)
 SCHEDULES = ("overlapped", "legacy")
-ENGINE_KV_DTYPES = ("bf16",)  # KV dtypes the CP engine's sparse attention reads (fp8 layer split: the SGLang plug-in)
+# the CP engine's MLA cache rows (:mod:`dsa_kernels.layout`): bf16, or fp8 (e4m3 latent + fp32 tile scales +
+# bf16 rope, as uint8 rows), in every pool, scratch slot, host tier and broadcast
+ENGINE_KV_DTYPES = ("bf16", "fp8")

@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 
 import pytest
 import torch
 
+from dsa_kernels.layout import mla_row_bytes
+from hicache.device_pool import DSADevicePool
+from hicache.host_pool import DSAHostPool
 from hicache.load_pipeline import LayerwiseLoader
-from tests.hicache.conftest import fill_random, same_pages
+from tests.hicache.conftest import SPEC, fill_random, same_pages
 
 
 def gate_stream(stream) -> threading.Event:
@@ -29,6 +33,20 @@ def test_events_per_layer_and_data(rt, pools, sanitized):
     load.kv_ready[3].synchronize()
     assert all(e.query() for e in [*load.indexer_ready.values(), *load.kv_ready.values()])
     assert same_pages(host, host_pages, dev, dev_pages)
+
+
+def test_fp8_rows_reload_as_bytes(rt, sanitized):
+    """An fp8 tier (uint8 656-byte-layout rows) reloads byte for byte, and moves fewer bytes than bf16."""
+    spec = dataclasses.replace(SPEC, kv_dtype="fp8")
+    dev, host = DSADevicePool(spec, 8), DSAHostPool(spec, 8)
+    host_pages, dev_pages = host.allocator.alloc(3), dev.allocator.alloc(3)
+    fill_random(host, host_pages, seed=2)
+    load = LayerwiseLoader(rt, dev, host).start_loading(host_pages, dev_pages)
+    load.kv_ready[3].synchronize()
+    assert same_pages(host, host_pages, dev, dev_pages)
+    index = 2 * 3 * spec.index_page_bytes  # two indexer layers
+    assert load.bytes_copied == 4 * 3 * 64 * mla_row_bytes(128, 16, "fp8") + index
+    assert load.bytes_copied < 4 * 3 * 64 * mla_row_bytes(128, 16, "bf16") + index
 
 
 def test_indexer_keys_land_before_kv(rt, pools, sanitized):

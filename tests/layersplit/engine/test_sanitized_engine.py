@@ -1,8 +1,10 @@
 """The CP engine under the stream-ordering sanitizer (``LAYERSPLIT_SANITIZE=1`` in the rank processes).
 
-Clean: CP 1, 2 and 4, both modes, with and without prefixes reloaded from the host tier, report no
-hazard and match the single-process reference. Teeth: each stream edge of the engine, removed alone
-(``FaultInjection.unsafe_skip_edges``), is reported on every run, with no stall and no timing:
+Clean: CP 1, 2 and 4, both modes, with and without prefixes reloaded from the host tier, bf16 and fp8
+KV, report no hazard and match the single-process reference of the same KV dtype (fp8: every rank
+and the reference quantize a row to the same bytes, so the bf16 tolerance holds). Teeth: each stream
+edge of the engine, removed alone (``FaultInjection.unsafe_skip_edges``), is reported on every run,
+with no stall and no timing:
 the comm stream not waiting for compute, collective buffers without ``record_stream``, a scratch
 slot refilled before its reader finished (its release event and the issue-time wait both removed:
 either orders it), and the host-tier reload racing the poison fill.
@@ -31,13 +33,13 @@ DEVICE_PREFIX = [Request(130, toks(21, 3)), Request(0, toks(9, 4))]  # prefix pa
 HOST_PREFIX = [Request(300, toks(40, 11), from_host=True), Request(150, toks(25, 12))]
 
 
-def _cfg(cp: int, mode: str = "layersplit", skip: frozenset[str] = frozenset()) -> EngineConfig:
-    return EngineConfig(mode=mode, cp=cp, pool_pages=32, max_batch_tokens=1024, max_requests=4,
+def _cfg(cp: int, mode: str = "layersplit", skip: frozenset[str] = frozenset(), kv_dtype: str = "bf16") -> EngineConfig:
+    return EngineConfig(mode=mode, cp=cp, pool_pages=32, max_batch_tokens=1024, max_requests=4, kv_dtype=kv_dtype,
                         faults=FaultInjection(unsafe_skip_edges=skip))
 
 
-def clean_scenarios(cp: int) -> list[Scenario]:
-    return [Scenario(f"{mode}/{name}", reqs, _cfg(cp, mode))
+def clean_scenarios(cp: int, kv_dtype: str) -> list[Scenario]:
+    return [Scenario(f"{mode}/{name}/{kv_dtype}", reqs, _cfg(cp, mode, kv_dtype=kv_dtype))
             for mode in ("redundant", "layersplit") for name, reqs in (("device", DEVICE_PREFIX), ("host", HOST_PREFIX))]
 
 
@@ -51,11 +53,11 @@ TEETH = {  # name: (edges removed, requests, what the report must name)
 
 
 @lru_cache(maxsize=None)
-def run(cp: int, teeth: bool = False):
+def run(cp: int, teeth: bool = False, kv_dtype: str = "bf16"):
     mp = pytest.MonkeyPatch()
     mp.setenv("LAYERSPLIT_SANITIZE", "1")  # read by the spawned rank processes
     try:
-        scs = clean_scenarios(cp) if not teeth else [
+        scs = clean_scenarios(cp, kv_dtype) if not teeth else [
             Scenario(f"{name}/{rep}", reqs, _cfg(cp, skip=frozenset(skip)))
             for name, (skip, reqs, _) in TEETH.items() for rep in range(2)]
         return {sc.name: (sc, res) for sc, res in zip(scs, run_cp(TINY, scs, cp))}
@@ -64,10 +66,11 @@ def run(cp: int, teeth: bool = False):
 
 
 @pytest.mark.timeout(600)
+@pytest.mark.parametrize("kv_dtype", ["bf16", "fp8"])
 @pytest.mark.parametrize("cp", [1, 2, 4])
 @pytest.mark.slow
-def test_engine_clean_under_the_sanitizer(cp):
-    for name, (sc, res) in run(cp).items():
+def test_engine_clean_under_the_sanitizer(cp, kv_dtype):
+    for name, (sc, res) in run(cp, kv_dtype=kv_dtype).items():
         hazards = sorted({h for r in res.ranks for h in r.hazards})
         assert hazards == [], f"{name}:\n" + "\n".join(hazards)
         ref = run_reference(TINY, sc)

@@ -2,7 +2,9 @@
 sanitized, in real rank processes, against the torch-reference engine.
 
 With CUDA present ``auto`` dispatch picks the Triton (or vendor) kernels, so this is the engine code
-an H200 runs: CP 1, 2 and 4, both modes, prefixes in the device pool and reloaded from the host tier.
+an H200 runs: CP 1, 2 and 4, both modes, prefixes in the device pool and reloaded from the host tier, bf16
+and fp8 KV (fp8: sparse attention dequantizes the uint8 rows in-register; the reference is the torch
+engine at fp8 too).
 Interpreted launches are serialized by the dispatch layer (the interpreter's state is process-global)
 and declare their real accesses to the sanitizer (``hicache.sanitizer.kernel_accesses``), so hazards mean
 missing stream edges, not the interpreter's whole-tensor copies.
@@ -41,15 +43,15 @@ DEVICE_PREFIX = [Request(70, toks(5, 1)), Request(0, toks(4, 2))]
 HOST_PREFIX = [Request(130, toks(6, 3), from_host=True)]
 
 
-def scenarios(cp: int) -> list[Scenario]:
-    cfg = dict(cp=cp, pool_pages=8, max_batch_tokens=256, max_requests=2)
+def scenarios(cp: int, kv_dtype: str) -> list[Scenario]:
+    cfg = dict(cp=cp, pool_pages=8, max_batch_tokens=256, max_requests=2, kv_dtype=kv_dtype)
     return [Scenario(f"{mode}/{name}", reqs, EngineConfig(mode=mode, **cfg))
             for mode in ("redundant", "layersplit") for name, reqs in (("device", DEVICE_PREFIX), ("host", HOST_PREFIX))]
 
 
 @lru_cache(maxsize=None)
-def torch_reference(name: str):
-    sc = next(s for s in scenarios(1) if s.name == name)
+def torch_reference(name: str, kv_dtype: str):
+    sc = next(s for s in scenarios(1, kv_dtype) if s.name == name)
     mp = pytest.MonkeyPatch()
     mp.setenv("LAYERSPLIT_KERNEL_BACKEND", "torch")
     try:
@@ -59,14 +61,15 @@ def torch_reference(name: str):
 
 
 @lru_cache(maxsize=None)
-def run(cp: int):
+def run(cp: int, kv_dtype: str = "bf16"):
     mp = pytest.MonkeyPatch()
     mp.setenv("LAYERSPLIT_KERNEL_BACKEND", "triton")  # read here and by the spawned rank processes
     mp.setenv("TRITON_INTERPRET", "1")
     mp.setenv("LAYERSPLIT_SANITIZE", "1")
     try:
-        scs = [sc for sc in scenarios(cp) if cp > 1 or sc.name.startswith("redundant")]
-        if cp == 2:  # teeth: the declared Triton accesses do not blind the sanitizer to a missing edge
+        scs = [sc for sc in scenarios(cp, kv_dtype) if cp > 1 or sc.name.startswith("redundant")]
+        if cp == 2 and kv_dtype == "bf16":
+            # teeth: the declared Triton accesses do not blind the sanitizer to a missing edge
             cfg = EngineConfig(mode="layersplit", cp=2, pool_pages=8, max_batch_tokens=256, max_requests=2,
                                faults=FaultInjection(unsafe_skip_edges=frozenset({"compute_wait"})))
             scs.append(Scenario("teeth/compute_wait", DEVICE_PREFIX, cfg))
@@ -78,15 +81,16 @@ def run(cp: int):
 
 
 # at cp 1 one rank holds every layer (the single-process path): layersplit is the same run as redundant
-CASES = [(cp, f"{mode}/{where}") for cp in (1, 2, 4) for mode in ("redundant", "layersplit")
-         for where in ("device", "host") if cp > 1 or mode == "redundant"]
+# (one spawn per CP size and KV dtype)
+CASES = [(cp, kv_dtype, f"{mode}/{where}") for cp in (1, 2, 4) for kv_dtype in ("bf16", "fp8")
+         for mode in ("redundant", "layersplit") for where in ("device", "host") if cp > 1 or mode == "redundant"]
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("cp,name", CASES)
+@pytest.mark.parametrize("cp,kv_dtype,name", CASES)
 @pytest.mark.slow
-def test_triton_engine_matches_torch_engine_sanitized(cp, name):
-    res, ref = run(cp)[name], torch_reference(name)
+def test_triton_engine_matches_torch_engine_sanitized(cp, kv_dtype, name):
+    res, ref = run(cp, kv_dtype)[name], torch_reference(name, kv_dtype)
     assert not torch.isnan(res.hidden).any(), "NaN in the Triton engine's output"
     for rank in res.ranks:
         assert rank.hazards == [], "\n".join(rank.hazards)
