@@ -53,21 +53,30 @@ class RealEngine:
                          sum(r.ranks[0].bcast_bytes.values()))
 
     def run_paired(self, batches: dict[str, list[Batch]], repeats: int) -> dict[str, list[list[BatchCost]]]:
-        """Every mode's batches ``repeats`` times in one spawn, the modes alternating per repeat (A B,
-        B A, ...) after one discarded warm-up batch of each: per mode, one list of costs per repeat."""
+        """Every mode's batches ``repeats`` times in one spawn after one discarded warm-up batch of each:
+        per mode, one list of costs per repeat. Within repeat k the modes' batches interleave (a0 b0 a1 b1
+        ..., each batch a fresh engine on its requests), so a change of load longer than a batch hits both
+        modes of the pair alike; the lead alternates per repeat (A B, B A, ...: an even ``repeats`` leads
+        with each mode equally often)."""
         from layersplit.engine.launcher import run_cp
         from layersplit.serving.paired import alternating
 
         modes = tuple(batches)
+        lead = alternating(modes, repeats)  # per repeat, the order the modes' batches interleave in
+        slots = []  # (mode, repeat, batch), in run order
+        for k in range(repeats):
+            order = lead[k * len(modes):(k + 1) * len(modes)]
+            for i in range(max(len(b) for b in batches.values())):
+                slots += [(m, k, i) for m in order if i < len(batches[m])]
         warm = [self._scenario(0, batches[m][0], m, f"warmup-{m}") for m in modes]
-        order = alternating(modes, repeats)
-        scenarios = warm + [self._scenario(i, b, m, f"{m}-{k}-{i}") for k, m in enumerate(order)
-                            for i, b in enumerate(batches[m])]
-        costs = [self._cost(r) for r in run_cp(self.model, scenarios, self.cp)[len(warm):]]
-        out: dict[str, list[list[BatchCost]]] = {m: [] for m in modes}
-        for m in order:
-            out[m].append(costs[:len(batches[m])])
-            costs = costs[len(batches[m]):]
+        scenarios = warm + [self._scenario(i, batches[m][i], m, f"{m}-{k}-{i}") for m, k, i in slots]
+        # the hang guard grows with the repeats: 10 s a batch (a 120k batch of the CPU job took ~2.1 s at a
+        # load average near 8); run_cp's 600 s default alone stopped 12 repeats at 120k on a loaded machine
+        results = run_cp(self.model, scenarios, self.cp, timeout_s=max(600.0, 10.0 * len(scenarios)))
+        out: dict[str, list[list[BatchCost]]] = {m: [[] for _ in range(repeats)] for m in modes}
+        for (m, k, i), r in zip(slots, results[len(warm):]):
+            assert len(out[m][k]) == i, f"expected batch {len(out[m][k])} of {m} repeat {k}, got {i}"
+            out[m][k].append(self._cost(r))
         return out
 
 
