@@ -37,13 +37,14 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from layersplit.plan import kv_sharding
+from layersplit.plan import kv_sharding, query_moving
 from layersplit.plan.config import HardwareConfig, ModelConfig
 from layersplit.plan.ownership import plan_ownership
 # the modes and their bytes per rank live in .modes; re-exported, as callers import them from here
-from layersplit.plan.modes import (BROADCAST, MODEL_OWNERSHIPS, MODES, NVLINK_EFFICIENCY, STRIPED_REMAINDER,  # noqa: F401
-                                   ModeBytes, mode_bytes, mode_kv_dtype, scratch_pages_for,
-                                   sglang_plugin_staging_bytes, sglang_plugin_tokens, striped_remainder)
+from layersplit.plan.modes import (BROADCAST, FIXED_KV_DTYPE, MODEL_OWNERSHIPS, MODES, NVLINK_EFFICIENCY,  # noqa: F401
+                                   ROLE, STRIPED_REMAINDER, ModeBytes, mode_bytes, mode_kv_dtype, modes_at,
+                                   scratch_pages_for, sglang_plugin_staging_bytes, sglang_plugin_tokens,
+                                   striped_remainder, unavailable_reason)
 
 WEIGHT_BYTES = {"fp8": 1.0, "bf16": 2.0, "none": 0.0}
 PLACEMENTS = ("ep", "even")
@@ -131,6 +132,13 @@ def _plugin_capacity(model: ModelConfig, req: PlanRequest, budget: float, kv_dty
             "ratio_vs_redundant_bf16": tokens / redundant["bf16"], "ratio_vs_redundant_fp8": tokens / redundant["fp8"]}
 
 
+def _best_available_peer(hw: HardwareConfig, kv_dtype: str, tokens: dict[str, int]) -> str:
+    """The peer (an SGLang 0.5.23 layout) with the most tokens per rank among those that run on ``hw``
+    at ``kv_dtype`` (KV sharding as shipped: fp8 only, SM 10 only)."""
+    runs = [m for m in modes_at(tuple(tokens), kv_dtype) if ROLE[m] == "peer" and not unavailable_reason(m, hw)]
+    return max(runs, key=tokens.__getitem__)
+
+
 def capacity_plan(model: ModelConfig, hw: HardwareConfig, req: PlanRequest) -> dict:
     """All capacity numbers as one flat dict (what ``layersplit plan --json`` prints)."""
     _check(req)
@@ -165,6 +173,12 @@ def capacity_plan(model: ModelConfig, hw: HardwareConfig, req: PlanRequest) -> d
                               context_len=req.context_len) for m in ("kv-sharding", "kv-sharding-shipped")}
     tokens_sharding = {m: max(0, int((budget - mb.scratch_bytes) // mb.bytes_per_token)) for m, mb in sharding.items()}
     plugin = {dtype: _plugin_capacity(model, req, budget, dtype) for dtype in ("bf16", "fp8")}
+    moving = mode_bytes(model, req.cp, req.kv_dtype, "query-moving", req.max_batch_tokens, req.max_requests,
+                        req.ownership, chunk_tokens=req.max_batch_tokens)
+    tokens_moving = max(0, int((budget - moving.scratch_bytes) // moving.bytes_per_token))
+    tokens = {"redundant": tokens_redundant, "redundant-shared-host": tokens_redundant,
+              "upstream-layersplit": tokens_upstream, **tokens_sharding}
+    best = _best_available_peer(hw, req.kv_dtype, tokens)
     mine = plugin[req.kv_dtype]
     plugin_staging, tokens_plugin = mine["staging_bytes"], mine["tokens_per_rank"]
     rows_bytes = req.context_len * max(per_layer)
@@ -217,8 +231,19 @@ def capacity_plan(model: ModelConfig, hw: HardwareConfig, req: PlanRequest) -> d
                             "kv-sharding": tokens_sharding["kv-sharding"] / tokens_redundant if tokens_redundant else 0.0,
                             "kv-sharding-shipped": tokens_sharding["kv-sharding-shipped"] / tokens_redundant
                             if tokens_redundant else 0.0,
+                            "query-moving": tokens_moving / tokens_redundant if tokens_redundant else 0.0,
                             "sglang-plugin": tokens_plugin / tokens_redundant if tokens_redundant else 0.0,
                             "layersplit": tokens_layersplit / tokens_redundant if tokens_redundant else 0.0},
+        # which SGLang 0.5.23 layouts run on this GPU (modes.unavailable_reason) and the largest one that does
+        "sm_major": hw.sm_major, "roles": dict(ROLE),
+        "unavailable": {m: r for m in MODES if (r := unavailable_reason(m, hw))},
+        "best_available_peer": best, "tokens_per_rank_best_available_peer": tokens[best],
+        "capacity_ratio_vs_best_available_peer": tokens_layersplit / tokens[best] if tokens[best] else 0.0,
+        # the query-moving peer: owned layers, the owner's receive slots; what one batch of max_batch_tokens
+        # new tokens moves through a layer's owner (queries in, outputs out), per layer (an indexer layer)
+        "tokens_per_rank_query_moving": tokens_moving, "scratch_bytes_query_moving": moving.scratch_bytes,
+        "query_moving_bytes_per_layer": query_moving.layer_bytes(model, req.cp, req.max_batch_tokens,
+                                                                 model.indexer_layer_ids[-1]),
         "context_len": req.context_len,
         "broadcast_bytes_per_layer": rows_bytes,
         "broadcast_bytes_per_layer_upstream": tokens_upstream * max(per_layer),

@@ -137,6 +137,9 @@ class ModelConfig:
         return self.param_count() - self.routed_expert_params()
 
 
+MIN_SM_MAJOR, MAX_SM_MAJOR = 7, 12  # Volta .. consumer Blackwell: the CUDA generations a config may name
+
+
 @dataclass(frozen=True)
 class HardwareConfig:
     name: str
@@ -151,6 +154,9 @@ class HardwareConfig:
     host_dram_bandwidth: float  # bytes/s, one node's host DRAM, shared by every GPU's reloads
     gpus_per_pcie_switch: int  # GPUs behind one PCIe switch uplink
     pcie_switch_bandwidth: float  # bytes/s, one switch uplink to the host, shared by its GPUs
+    # CUDA compute capability major (9 Hopper, 10 datacenter Blackwell; 0: no CUDA device). Which SGLang
+    # 0.5.23 layouts run on it is :func:`layersplit.plan.modes.unavailable_reason`'s rule, not a per-file list
+    sm_major: int
 
     def reload_bandwidth(self, concurrent: int) -> float:
         """Host -> device bytes/s one GPU gets while ``concurrent`` GPUs of its node reload at once:
@@ -203,9 +209,20 @@ def _validate_model(path: Path, m: ModelConfig, key_of: dict[str, str] | None = 
 _FOLDERS = {"model": "models", "hardware": "hardware"}
 
 
+def check_name_or_path(kind: str, name_or_path, arg: str = "name_or_path") -> None:
+    """A config is named by a ``str`` or a ``Path``, not empty: a ``TypeError`` naming the argument ``arg``, or a
+    :class:`ConfigError`, before any file is looked for (``Path("")`` would be the current folder)."""
+    if not isinstance(name_or_path, (str, Path)):
+        raise TypeError(f"{arg}: expected a {kind} config name or path (str or Path), got {name_or_path!r} "
+                        f"({type(name_or_path).__name__})")
+    if not str(name_or_path).strip():
+        raise ConfigError(f"{kind} {str(name_or_path)!r}: expected a config name or a path, got an empty name")
+
+
 def _resolve(kind: str, name_or_path: str | Path) -> Path:
     """The file behind a config name or path; for a model also a ``config.json``, a folder holding one,
     or a model id (``ORG/NAME``) in the local Hugging Face cache."""
+    check_name_or_path(kind, name_or_path)
     path = Path(name_or_path)
     if kind == "model" and model_json.is_model_json(path):
         path = path / "config.json" if path.is_dir() else path
@@ -261,8 +278,11 @@ def load_hardware(name_or_path: str | Path) -> HardwareConfig:
     path = _resolve("hardware", name_or_path)
     hw = _build(HardwareConfig, path, read_yaml(path), {})
     for f in dataclasses.fields(HardwareConfig):
-        if f.name != "name":
+        if f.name not in ("name", "sm_major"):
             require(path, getattr(hw, f.name) > 0, f.name, "a value > 0", getattr(hw, f.name))
+    require(path, hw.sm_major == 0 or MIN_SM_MAJOR <= hw.sm_major <= MAX_SM_MAJOR, "sm_major",
+            f"0 (no CUDA device) or a CUDA compute capability major in {MIN_SM_MAJOR}..{MAX_SM_MAJOR} "
+            "(9: Hopper H100/H200/H800/H20, 10: Blackwell B200/B300)", hw.sm_major)
     return hw
 
 

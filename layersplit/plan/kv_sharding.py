@@ -20,6 +20,25 @@ Read in SGLang 0.5.23's source (``mem_cache/page_interleave.py``, ``mem_cache/pa
 * the gate for DSA models: CUDA, interleave prefill CP > 1, PP 1, TRTLLM prefill and decode backends,
   ``fp8_e4m3`` KV, page size 64, mooncake transfer, no DSA layer split, index_kpool 1, a PD prefill worker.
 
+Why it does not run on Hopper (read in SGLang 0.5.23 and FlashInfer 0.7.2, the version 0.5.23 pins):
+
+* ``srt/arg_groups/kv_shard_hook.py:45-54``: ``dsa_prefill_backend != "trtllm" or dsa_decode_backend !=
+  "trtllm" or kv_cache_dtype != "fp8_e4m3" or page_size != 64`` raises "DSA KV sharding requires TRTLLM
+  prefill/decode with fp8_e4m3 KV and page size 64." (``:36-44`` also requires ``device == "cuda"``);
+* ``srt/arg_groups/overrides.py:715-720``: "Blackwell FP8 defaults to trtllm; Hopper FP8 to flashmla_kv."
+  ``default = "trtllm" if major >= 10 else "flashmla_kv"`` (``:566``: "flashmla_kv on Hopper, trtllm on
+  Blackwell"; ``:533-535``: DSA's ``auto`` KV dtype is fp8_e4m3 only where ``major >= 10``);
+* naming trtllm by hand does not help: ``srt/layers/attention/dsa_backend.py:2210, 2567`` send the
+  trtllm impl to ``_forward_trtllm``, which calls ``flashinfer.decode.trtllm_batch_decode_with_kv_cache_mla
+  (..., backend="trtllm-gen")`` (``:3982, 4005``); in FlashInfer 0.7.2 that backend runs
+  ``TrtllmGenMlaDecodeRunner`` (``flashinfer/mla/_core.py:4724-4727, 3444``), whose C++ runner
+  ``TllmGenFmhaRunner`` checks ``mSM == kSM_100 || mSM == kSM_103 || mSM == kSM_107``, "Unsupported
+  architecture" (``flashinfer/data/include/flashinfer/trtllm/fmha/fmhaRunner.cuh:37-38``; reached from
+  ``data/csrc/trtllm_fmha_kernel_launcher.cu:194-195``).
+
+So the shipped layout needs SM major 10 (:data:`SHIPPED_SM_MAJORS`); upstream's layer split has no SM gate
+(``srt/arg_groups/model_hook.py:366-408``: PD prefill, interleave CP, mooncake, PP 1).
+
 Assumed (not in the source): as *designed* (``kv-sharding``) the scratch is sized for the batch like
 LayerSplit's (context pages + N - 1 padding pages per request + a trash page), and any KV dtype is
 allowed; the all-gather moves ``(N - 1) / N`` of the gathered span into each rank at the NVLink rate
@@ -32,6 +51,7 @@ from dsa_kernels.layout import PAGE_SIZE
 
 SHIPPED_PREFIX_CONTEXTS = 8  # SGLang: _KV_SHARD_SCRATCH_PREFIX_CONTEXTS
 SHIPPED_KV_DTYPE = "fp8"  # the gate requires --kv-cache-dtype fp8_e4m3 for DSA models
+SHIPPED_SM_MAJORS = (10,)  # trtllm DSA backends: FlashInfer's trtllm-gen runner takes SM 10.0 / 10.3 / 10.7 only
 SHIPPED_REQUIREMENTS = ("--enable-prefill-cp --cp-strategy interleave (CP > 1, PP 1)",
                         "--dsa-prefill-backend trtllm --dsa-decode-backend trtllm",
                         "--kv-cache-dtype fp8_e4m3 --page-size 64", "--disaggregation-mode prefill (mooncake)",

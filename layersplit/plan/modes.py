@@ -8,8 +8,8 @@ from dataclasses import dataclass
 
 from dsa_kernels.layout import PAGE_SIZE
 from layersplit.plan.ownership import plan_ownership
-from layersplit.plan import kv_sharding
-from layersplit.plan.config import ModelConfig
+from layersplit.plan import kv_sharding, query_moving
+from layersplit.plan.config import HardwareConfig, ModelConfig
 from layersplit.plan import sizing
 
 
@@ -28,13 +28,46 @@ def scratch_pages_for(max_batch_tokens: int, max_requests: int) -> int:
 #                        1/N of every layer per rank, the batch's prefix pages all-gathered one layer
 #                        ahead into batch-sized double-buffered scratch, each rank reloading its stripe;
 # kv-sharding-shipped    the same as SGLang 0.5.23 ships it: fp8 KV required, scratch for 8 full contexts;
+#                        it runs on SM 10 only (:mod:`layersplit.plan.kv_sharding`);
+# query-moving           "move the query, not the cache" (arXiv 2606.01502; :mod:`layersplit.plan.query_moving`):
+#                        owned layers; each layer's owner gets every rank's queries, attends, returns outputs;
 # sglang-plugin          owned layers + batch-sized staging slots read through remapped page tables
 #                        (batch landing), row-only broadcasts;
 # layersplit             this project's engine: owned layers + two batch-sized scratch slots.
 MODES = ("redundant", "redundant-shared-host", "upstream-layersplit", "kv-sharding", "kv-sharding-shipped",
-         "sglang-plugin", "layersplit")
+         "query-moving", "sglang-plugin", "layersplit")
 BROADCAST = {"redundant": None, "redundant-shared-host": None, "upstream-layersplit": "pool",
-             "kv-sharding": "gather", "kv-sharding-shipped": "gather", "sglang-plugin": "rows", "layersplit": "rows"}
+             "kv-sharding": "gather", "kv-sharding-shipped": "gather", "query-moving": "queries",
+             "sglang-plugin": "rows", "layersplit": "rows"}
+# What each mode is in a table: a "peer" is a layout SGLang 0.5.23 runs (the peer to beat wherever it
+# runs; redundant-shared-host: the same CP with one HiCache storage copy per node, an assumption), a
+# "design" is modelled from a description and stays a bar, never the peer to beat; "ours" is this project's.
+ROLE = {"redundant": "peer", "redundant-shared-host": "peer", "upstream-layersplit": "peer", "kv-sharding": "design",
+        "kv-sharding-shipped": "peer", "query-moving": "design", "sglang-plugin": "ours", "layersplit": "ours"}
+# SGLang 0.5.23 layouts that run only on some GPU generations (CUDA compute capability majors) and the
+# source that says so; every other mode has no SM gate
+SM_MAJORS = {"kv-sharding-shipped": (kv_sharding.SHIPPED_SM_MAJORS,
+                                     "its gate requires the trtllm DSA backends (kv_shard_hook.py:45-54), which "
+                                     "SGLang picks on SM >= 10 only (overrides.py:715-716) and whose FlashInfer "
+                                     "trtllm-gen kernels run on SM 10.x only (fmhaRunner.cuh:37-38)")}
+# modes that run one KV dtype whatever is asked: they have no row at another dtype (like with like)
+FIXED_KV_DTYPE = {"kv-sharding-shipped": kv_sharding.SHIPPED_KV_DTYPE}
+
+
+def unavailable_reason(mode: str, hw: HardwareConfig) -> str | None:
+    """Why ``mode`` cannot run on ``hw`` in SGLang 0.5.23, or None when it can (or is not SGLang's)."""
+    if mode not in SM_MAJORS:
+        return None
+    majors, why = SM_MAJORS[mode]
+    if hw.sm_major in majors:
+        return None
+    gpu = f"SM {hw.sm_major}" if hw.sm_major else "no CUDA device"
+    return f"not available on {hw.name} ({gpu}; needs SM {'/'.join(map(str, majors))}): {why}"
+
+
+def modes_at(modes: tuple[str, ...], kv_dtype: str) -> tuple[str, ...]:
+    """The modes that have a row at ``kv_dtype``: every mode but those fixed to another dtype."""
+    return tuple(m for m in modes if FIXED_KV_DTYPE.get(m, kv_dtype) == kv_dtype)
 # NVLink bandwidth a collective reaches: ~380 GB/s measured of 450 per direction (DESIGN.md section 2);
 # the plan and the cost model both price broadcasts with it
 NVLINK_EFFICIENCY = 380 / 450
@@ -58,7 +91,7 @@ def striped_remainder(num_layers: int, cp: int) -> tuple[tuple[tuple[int, ...], 
 
 def mode_kv_dtype(mode: str, kv_dtype: str) -> str:
     """The KV dtype ``mode`` runs: SGLang 0.5.23's KV sharding refuses anything but fp8 for DSA models."""
-    return kv_sharding.SHIPPED_KV_DTYPE if mode == "kv-sharding-shipped" else kv_dtype
+    return FIXED_KV_DTYPE.get(mode, kv_dtype)
 
 
 @dataclass(frozen=True)
@@ -77,8 +110,9 @@ class ModeBytes:
 
     @property
     def broadcast(self) -> str | None:
-        """None, 'rows' (the batch's prefix rows), 'pool' (upstream: the whole landing layer) or
-        'gather' (KV sharding: every rank's stripe of the batch's prefix pages, all-gathered)."""
+        """None, 'rows' (the batch's prefix rows), 'pool' (upstream: the whole landing layer),
+        'gather' (KV sharding: every rank's stripe of the batch's prefix pages, all-gathered) or
+        'queries' (query-moving: queries to the layer's owner, outputs back)."""
         return BROADCAST[self.mode]
 
 
@@ -87,7 +121,8 @@ def mode_bytes(model: ModelConfig, cp: int, kv_dtype: str, mode: str, max_batch_
                chunk_tokens: int | None = None) -> ModeBytes:
     """Bytes per token a rank stores in ``mode`` (one of :data:`MODES`). ``max_batch_tokens`` is the
     context one batch reads (it sizes batch-sized scratch); ``context_len`` and ``chunk_tokens`` (new
-    tokens a batch computes; default ``max_batch_tokens``) size KV sharding's scratch as shipped."""
+    tokens a batch computes; default ``max_batch_tokens``) size KV sharding's scratch as shipped, and
+    ``chunk_tokens`` the query-moving owner's receive slots."""
     if mode not in MODES:
         raise ValueError(f"mode: expected one of {MODES}, got {mode!r}")
     kv_dtype = mode_kv_dtype(mode, kv_dtype)
@@ -99,6 +134,12 @@ def mode_bytes(model: ModelConfig, cp: int, kv_dtype: str, mode: str, max_batch_
         pooled = cp if mode == "redundant-shared-host" else 1
         return ModeBytes(mode, sum(per_layer), (tuple(range(model.num_layers)),) * cp, 0, sum(per_layer), pooled,
                          kv_dtype=kv_dtype)
+    if mode == "query-moving":  # owned layers, no page striping (the owner attends for every rank)
+        strategy = "round-robin" if ownership == STRIPED_REMAINDER else ownership
+        held = tuple(plan_ownership(model.num_layers, cp, strategy).owned_layers(r) for r in range(cp))
+        owned = max(sum(per_layer[layer] for layer in h) for h in held)
+        scratch = query_moving.scratch_bytes(model, cp, chunk_tokens or max_batch_tokens)
+        return ModeBytes(mode, owned, held, scratch, owned, kv_dtype=kv_dtype)
     if mode == "layersplit" and ownership == STRIPED_REMAINDER:
         held, striped = striped_remainder(model.num_layers, cp)
     else:

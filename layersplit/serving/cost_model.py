@@ -18,6 +18,12 @@ where the cache lives decides what each rank waits for:
   the batch's prefix pages (each block padded to ``sum_i ceil(K_i / N)`` pages) is all-gathered on one
   FIFO gather stream; layer ``l``'s gather is kicked when layer ``l-1``'s slot is read (its indexer) and
   starts once every rank's load of ``l`` is done; layer 0's is kicked with the batch;
+* query-moving (``query-moving``, :mod:`layersplit.plan.query_moving`): no history moves; after the
+  projections the layer's owner takes the other ranks' queries (one source rank at a time, its own
+  first), runs the indexer and attention for each, and returns each output as it is done
+  (:func:`attention_phase`); every rank waits for its last output. The owner's attention for the others
+  (``(N - 1)`` x a rank's) is ``owner_wait_s``, a part of compute: nothing overlaps it, as the MoE's
+  expert-parallel exchange keeps every rank on the same layer;
 * every mode all-gathers the new tokens' cache rows before attention (not overlapped);
 * recompute of misses: the share of a batch's compute spent on prefixes it recomputes, taken as
   their share of the batch's prefill tokens (an approximation: attention grows faster than linear).
@@ -33,13 +39,13 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from dsa_kernels.layout import PAGE_SIZE
-from layersplit.plan import kv_sharding
+from layersplit.plan import kv_sharding, query_moving
 from layersplit.plan.capacity import ModeBytes
 from layersplit.plan.config import HardwareConfig, ModelConfig
 from layersplit.serving.roofline import Efficiency, LayerTime, Roofline
 from layersplit.serving.serving import Batch
 
-__all__ = ["BatchCost", "CostModel", "Efficiency", "pages_rows"]
+__all__ = ["BatchCost", "CostModel", "Efficiency", "attention_phase", "pages_rows"]
 
 
 @dataclass
@@ -51,6 +57,7 @@ class BatchCost:
     exposed_reload_s: float = 0.0  # waiting for host-tier loads (the slowest rank)
     recompute_s: float = 0.0  # compute spent recomputing missed prefixes
     reload_ahead_bytes: int = 0  # most bytes any rank must reload ahead of an even pace (see CostModel)
+    owner_wait_s: float = 0.0  # query-moving: the owner attending for the other ranks while they idle (in compute)
 
     @property
     def compute_s(self) -> float:
@@ -60,6 +67,17 @@ class BatchCost:
 
 def pages_rows(tokens: int) -> int:
     return -(-tokens // PAGE_SIZE) * PAGE_SIZE
+
+
+def attention_phase(c: float, q: float, o: float, cp: int) -> float:
+    """Seconds of one query-moving layer from the queries' send to the last output's return: the owner
+    attends to its own share (``c`` s) while the first other rank's queries arrive (``q`` s each, one
+    after another over its NVLink), then to each share as it arrives, and sends each output back (``o``
+    s each, one after another). ``cp`` shares in all; ``c`` alone at ``cp == 1``."""
+    if cp == 1:
+        return c
+    step = max(c, q)
+    return max(c + (cp - 1) * step + o, c + step + (cp - 1) * o)
 
 
 def _split_wait(t: float, ready: float, load_gate: float, other_gate: float) -> tuple[float, float]:
@@ -81,12 +99,15 @@ class CostModel:
         self.m, self.hw, self.cp, self.mb, self.eff = model, hw, cp, mb, eff
         self.roof = Roofline(model, hw, mb.kv_dtype or kv_dtype, eff)
         self.per_layer, self.kv_bytes, self.indexer = self.roof.per_layer, self.roof.kv_bytes, self.roof.indexer
-        rows_modes = mb.broadcast in ("rows", "pool")
+        rows_modes = mb.broadcast in ("rows", "pool", "queries")
         self.striped = frozenset(mb.striped)  # page-striped layers of an owned layout: gathered like KV sharding
         self.owner = ({layer: r for r, held in enumerate(mb.held_layers) for layer in held if layer not in self.striped}
                       if rows_modes else {})
         self.pool_rows = pages_rows(pool_tokens)
         self.reload_bw = hw.reload_bandwidth(cp)
+        if mb.broadcast == "queries":  # per new token: queries to the owner, outputs back
+            self.q_bytes = [query_moving.query_bytes_per_token(model, layer) for layer in range(model.num_layers)]
+            self.o_bytes = [query_moving.output_bytes_per_token(model, layer) for layer in range(model.num_layers)]
         # a batch's cost depends only on its (prefix, tokens, tier) list and on these: cost models built
         # with the same ones (the sweeps of a gain map) share their memo
         self._memo = _MEMOS.setdefault((model, hw, cp, mb, eff, self.pool_rows), {})
@@ -184,6 +205,24 @@ class CostModel:
             t += ts.indexer + ts.attention + ts.mlp
         return t, comm, reload
 
+    def _query_moving(self, layer_s: list[LayerTime], loads: dict,
+                      new_tokens: int) -> tuple[float, float, float, float]:
+        """Query-moving (every rank waits for the layer's owner): (end, exposed transfer, exposed reload,
+        owner wait). The owner first waits for its host load of the layer; the transfers add what
+        :func:`attention_phase` takes beyond the owner's ``N`` shares of indexer + attention."""
+        cp, share = self.cp, new_tokens / self.cp / self.roof.nvlink  # s per (byte a token) of one rank's share
+        t = comm = reload = wait = 0.0
+        for layer, ts in enumerate(layer_s):
+            t += ts.pre
+            loaded = loads.get((self.owner[layer], layer), 0.0)
+            if loaded > t:
+                reload, t = reload + loaded - t, loaded
+            c = ts.indexer + ts.attention
+            phase = attention_phase(c, share * self.q_bytes[layer], share * self.o_bytes[layer], cp)
+            comm, wait = comm + phase - cp * c, wait + (cp - 1) * c
+            t += phase + ts.mlp
+        return t, comm, reload, wait
+
     # one batch -------------------------------------------------------------------------------------
     def batch(self, batch: Batch) -> BatchCost:
         """The batch's cost; batches with the same (prefix, tokens, tier) list share one (memoised)."""
@@ -194,7 +233,7 @@ class CostModel:
 
     def _rows(self, reqs: list[tuple[int, int, str]]) -> int:
         """Rows each receiving rank gets per layer (the gathered span for KV sharding)."""
-        if self.cp == 1 or self.mb.broadcast is None:
+        if self.cp == 1 or self.mb.broadcast in (None, "queries"):
             return 0
         if self.mb.broadcast == "pool":
             return self.pool_rows
@@ -214,8 +253,11 @@ class CostModel:
                        if self.striped else 0)
         layer_s = self.roof.layers([(p, n) for p, n, _ in reqs], cp)
         loads = self._loads(reload_rows, striped_rows)
+        owner_wait = 0.0
         if mb.broadcast == "gather":
             end, comm, reload_s = self._gathered(layer_s, loads, rows)
+        elif mb.broadcast == "queries":
+            end, comm, reload_s, owner_wait = self._query_moving(layer_s, loads, batch.new_tokens)
         else:
             ranks = range(cp) if self.owner else range(1)  # replicated layouts: every rank alike
             end, comm, reload_s = max((self._rank(r, layer_s, loads, rows, gather_rows) for r in ranks),
@@ -225,7 +267,10 @@ class CostModel:
         received = rows * (cp - 1) // cp if mb.broadcast == "gather" else rows
         received_bytes = sum(self.per_layer[layer] * (gather_rows * (cp - 1) // cp if layer in self.striped else received)
                              for layer in range(self.m.num_layers))
+        if mb.broadcast == "queries" and cp > 1:  # through the owner's links: queries in, outputs out
+            received_bytes = sum(sum(query_moving.layer_bytes(self.m, cp, batch.new_tokens, layer))
+                                 for layer in range(self.m.num_layers))
         missed = sum(s.req.prefix for s in batch.served if s.tier == "miss")
         recompute = (end - comm - reload_s) * missed / batch.new_tokens if batch.new_tokens else 0.0
         return BatchCost(end, comm, reload, received_bytes, reload_s, recompute,
-                         self.reload_ahead(reload_rows, striped_rows))
+                         self.reload_ahead(reload_rows, striped_rows), owner_wait)

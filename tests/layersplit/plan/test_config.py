@@ -12,7 +12,7 @@ from layersplit.plan.config import ConfigError, available, configs_root, load_ha
 
 def test_shipped_configs_load():
     assert available("model") == ["deepseek-v3.2", "glm-5", "glm-5.2", "tiny"]
-    assert available("hardware") == ["cpu", "h200", "h800"]
+    assert available("hardware") == ["b200", "cpu", "h200", "h800"]
     for name in available("model"):
         assert load_model(name).name == name
     for name in available("hardware"):
@@ -99,6 +99,47 @@ def test_bad_hardware(tmp_path):
     path.write_text(yaml.safe_dump(data))
     with pytest.raises(ConfigError, match=r"hw.yaml: field 'hbm_bytes': expected a value > 0, got 0"):
         load_hardware(path)
+
+
+def test_b200_datasheet_figures():
+    """B200 (HGX/DGX, 1000 W): the dense figures (half the sparse ones), per-direction NVLink, SM 10."""
+    hw = load_hardware("b200")
+    assert (hw.hbm_bytes, hw.hbm_bandwidth, hw.nvlink_bandwidth) == (180e9, 8e12, 9e11)
+    assert (hw.dense_flops_bf16, hw.dense_flops_fp8) == (2.25e15, 4.5e15)
+    assert hw.hbm_reported_bytes == round(178.35 * 2**30) and hw.sm_major == 10
+    assert [load_hardware(n).sm_major for n in ("h200", "h800", "cpu")] == [9, 9, 0]
+
+
+def _hardware(tmp_path, **changes) -> Path:
+    data = yaml.safe_load((configs_root() / "hardware" / "h200.yaml").read_text())
+    for key, value in changes.items():
+        if value is ...:
+            del data[key]
+        else:
+            data[key] = value
+    path = tmp_path / "hw.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+@pytest.mark.parametrize("change,message", [
+    ({"sm_major": ...}, r"hw.yaml: field 'sm_major': expected a value, got nothing \(field missing\)$"),
+    ({"sm_major": "hopper"}, r"hw.yaml: field 'sm_major': expected int, got 'hopper' \(str\)$"),
+    ({"sm_major": 9.0}, r"hw.yaml: field 'sm_major': expected int, got 9.0 \(float\)$"),
+    ({"sm_major": True}, r"hw.yaml: field 'sm_major': expected int, got True \(bool\)$"),
+    ({"sm_major": -1}, r"hw.yaml: field 'sm_major': expected a value >= 0, got -1$"),
+    ({"sm_major": 3}, r"hw.yaml: field 'sm_major': expected 0 \(no CUDA device\) or a CUDA compute capability "
+                      r"major in 7\.\.12 \(9: Hopper.*\), got 3$"),
+    ({"sm_major": 90}, r"field 'sm_major': expected 0 \(no CUDA device\) or .*, got 90$"),
+], ids=["missing", "a-name", "float", "bool", "negative", "too-old", "sm-90-not-major"])
+def test_bad_sm_major(tmp_path, change, message):
+    with pytest.raises(ConfigError, match=message):
+        load_hardware(_hardware(tmp_path, **change))
+
+
+def test_sm_major_zero_and_edges_load(tmp_path):
+    for value in (0, 7, 12):
+        assert load_hardware(_hardware(tmp_path, sm_major=value)).sm_major == value
 
 
 def test_config_dir_env(tmp_path, monkeypatch):

@@ -115,3 +115,28 @@ def test_config_dir_without_models_folder(tmp_path, monkeypatch):
     with pytest.raises(ConfigError, match=rf"^model 'glm-5': expected a folder {tmp_path / 'models'} of model "
                                           r"configs, got no such folder$"):
         load_model("glm-5")
+
+
+@pytest.mark.parametrize("edit,message", [
+    (lambda t: t.replace("hbm_bandwidth: ", "hbm_bandwidth: .inf #"),
+     "field 'hbm_bandwidth': expected a finite number, got inf"),
+    (lambda t: t.replace("hbm_bandwidth: ", "hbm_bandwidth: -.inf #"), "field 'hbm_bandwidth': expected a finite number"),
+    (lambda t: t.replace("dense_flops_fp8: ", "dense_flops_fp8: .NaN #"),
+     "field 'dense_flops_fp8': expected a finite number"),
+    (lambda t: t + "gpus_per_node: 4\n", "duplicate key 'gpus_per_node' (first at line"),
+], ids=["inf", "minus-inf", "nan", "key-twice"])
+def test_hardware_values_yaml_accepts_but_a_config_cannot_use(tmp_path, capsys, edit, message):
+    """YAML reads ``.inf``/``.nan`` as floats and keeps the last of two equal keys: both refused, naming the field."""
+    path = _copy_model(tmp_path, edit((configs_root() / "hardware" / "h200.yaml").read_text()), "hw.yaml")
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
+        load_hardware(path)
+    assert message in _cli_error(capsys, ["plan", "--model", "glm-5", "--cp", "8", "--hardware", str(path)])
+
+
+def test_a_config_is_named_by_a_string_or_a_path():
+    with pytest.raises(TypeError, match=r"name_or_path: expected a model config name or path \(str or Path\), got 42"):
+        load_model(42)
+    with pytest.raises(ConfigError, match="model '': expected a config name or a path, got an empty name"):
+        load_model("")
+    with pytest.raises(ConfigError, match="hardware ' ': expected a config name or a path"):
+        load_hardware(" ")

@@ -155,8 +155,8 @@ def test_budget_terms_by_placement(capsys):
         (m.param_count() + embed + mtp_replicated + routed_mtp) / 8)  # all split, embedding + head at 2 B
     assert even["kv_budget_bytes_per_rank"] > r["kv_budget_bytes_per_rank"] + 15e9  # replicated weights cost ~17 GB
     ratios = r["capacity_ratios"]
-    assert list(ratios) == ["redundant", "upstream-layersplit", "kv-sharding", "kv-sharding-shipped", "sglang-plugin",
-                            "layersplit"]
+    assert list(ratios) == ["redundant", "upstream-layersplit", "kv-sharding", "kv-sharding-shipped", "query-moving",
+                            "sglang-plugin", "layersplit"]
     assert ratios["redundant"] == 1.0 < ratios["upstream-layersplit"] < ratios["sglang-plugin"] <= ratios["layersplit"]
     # page-level sharding balances 78 layers over 8 ranks exactly (LayerSplit's worst rank owns 10)
     assert 7.8 > ratios["layersplit"] and ratios["layersplit"] < ratios["kv-sharding"] < 8 < ratios["kv-sharding-shipped"]

@@ -30,8 +30,9 @@ def run(tmp_path, capsys, config, *extra) -> list[dict]:
 
 
 def test_model_engine_gain_grows_with_length(tmp_path, capsys):
-    points = run(tmp_path, capsys, small(tmp_path, "glm5-h200", lengths=[40000, 120000], requests=128, sessions=32))
-    assert {p["kind"] for p in points} == {"modelled"}
+    points = run(tmp_path, capsys, small(tmp_path, "glm5-h200", lengths=[40000, 120000], requests=128, sessions=32,
+                                         kv_dtype="bf16"))
+    assert {p["kind"] for p in points} == {"modelled"} and {p["kv_dtype"] for p in points} == {"bf16"}
     gain = {p["length"]: p["gain_pct"] for p in points if p["mode"] == "layersplit"}
     assert gain[120000] > gain[40000]
     red = {p["length"]: p for p in points if p["mode"] == "redundant"}
@@ -89,16 +90,19 @@ def test_config_errors(tmp_path):
 
 
 def test_model_sweep_every_peer_breakdown_and_labels(tmp_path, capsys):
-    """All seven modes on one workload; gains over redundant, upstream's layer split and KV sharding
-    per point; the breakdown adds up to the batch time; the shared host pools the ranks' host budgets;
+    """All eight modes at fp8 and the seven with a bf16 layout at bf16 (KV sharding as shipped is fp8
+    only), each dtype against itself; gains over redundant, upstream's layer split and KV sharding per
+    point; the breakdown adds up to the batch time; the shared host pools the ranks' host budgets;
     upstream broadcasts the whole pool-sized layer, the row modes only the batch's rows, KV sharding
     gathers (N - 1) / N of its padded span; the sensitivity and calibration tables are printed."""
     points = run(tmp_path, capsys, small(tmp_path, "glm5-h200", lengths=[40000, 120000], requests=96, sessions=24))
     modes = ["redundant", "redundant-shared-host", "upstream-layersplit", "kv-sharding", "kv-sharding-shipped",
-             "sglang-plugin", "layersplit"]
-    for length in (40000, 120000):
-        at = {p["mode"]: p for p in points if p["length"] == length}
-        assert list(at) == modes
+             "query-moving", "sglang-plugin", "layersplit"]
+    groups = [(p["length"], p["kv_dtype"]) for p in points]  # length by length, each with both dtypes
+    assert sorted(set(groups), key=groups.index) == [(40000, "fp8"), (40000, "bf16"), (120000, "fp8"), (120000, "bf16")]
+    for length, dtype in ((40000, "fp8"), (40000, "bf16"), (120000, "fp8"), (120000, "bf16")):
+        at = {p["mode"]: p for p in points if p["length"] == length and p["kv_dtype"] == dtype}
+        assert list(at) == [m for m in modes if dtype == "fp8" or m != "kv-sharding-shipped"]
         for p in at.values():
             assert p["kind"] == "modelled" and p["reusable_fraction"] == pytest.approx(0.9)
             assert p["gain_vs_redundant"] == pytest.approx(
@@ -115,10 +119,17 @@ def test_model_sweep_every_peer_breakdown_and_labels(tmp_path, capsys):
             100 * (at["layersplit"]["request_tokens_per_s"] / at["kv-sharding"]["request_tokens_per_s"] - 1))
         assert at["kv-sharding"]["l1_tokens_per_rank"] > at["layersplit"]["l1_tokens_per_rank"]
         assert at["layersplit"]["l1_tokens_per_rank"] > at["upstream-layersplit"]["l1_tokens_per_rank"]
+        # query-moving: owned layers, no history moved, the owner attends for all 8 ranks
+        qm = at["query-moving"]
+        assert qm["l1_tokens_per_rank"] < at["layersplit"]["l1_tokens_per_rank"]  # its receive slots
+        assert qm["owner_wait_s"] > 0 and qm["request_tokens_per_s"] < at["layersplit"]["request_tokens_per_s"]
+        assert qm["bcast_bytes"] > 10 * at["layersplit"]["bcast_bytes"]  # 9 cached tokens per new one
     table = (tmp_path / "out" / "table.md").read_text()
     assert "vs upstream split" in table and "exposed reload" in table and "modelled" in table
     assert "vs kv-sharding" in table and "Sensitivity (**modelled**)" in table and "Calibration (**model**" in table
     assert table.count("- 40k: vs redundant") == 1 and "- 120k: vs redundant" in table
+    assert "**KV fp8**" in table and "**KV bf16**" in table and "so it has no bf16 row" in table
+    assert "Query-moving peer per layer (**modelled**" in table and "Where it would win (**modelled**)" in table
 
 
 def test_points_written_as_lengths_finish(tmp_path, capsys, monkeypatch):
@@ -139,7 +150,7 @@ def test_points_written_as_lengths_finish(tmp_path, capsys, monkeypatch):
 
     monkeypatch.setattr(sweep, "run_sweep", spy)
     run(tmp_path, capsys, small(tmp_path, "glm5-h200", lengths=[40000, 80000], requests=32, sessions=8))
-    assert seen == [7, 14]
+    assert seen == [15, 30]  # 8 fp8 rows + 7 bf16 rows a length
 
 
 def test_gain_map(tmp_path, capsys):
@@ -147,11 +158,18 @@ def test_gain_map(tmp_path, capsys):
     out = tmp_path / "out"
     assert main(["sweep", "--config", str(cfg), "--out", str(out), "--map", "sessions=8,32"]) == 0
     rows = [json.loads(line) for line in (out / "gain_map.jsonl").read_text().splitlines()]
-    assert [(r["sessions"], r["length"]) for r in rows] == [(8, 40000), (8, 120000), (32, 40000), (32, 120000)]
-    assert all({"gain_vs_redundant", "gain_vs_upstream-layersplit", "gain_vs_redundant-shared-host"} <= set(r)
-               for r in rows)
+    assert [(r["sessions"], r["kv_dtype"], r["length"]) for r in rows] == [
+        (v, d, n) for v in (8, 32) for d in ("fp8", "bf16") for n in (40000, 120000)]
+    assert all({"gain_vs_redundant", "gain_vs_upstream-layersplit", "gain_vs_redundant-shared-host",
+                "gain_vs_query-moving", "gain_vs_best_available_peer"} <= set(r) for r in rows)
+    assert {r["best_available_peer"] for r in rows} <= {"redundant", "redundant-shared-host", "upstream-layersplit"}
+    for r in rows:
+        assert ("gain_vs_kv-sharding-shipped" in r) == (r["kv_dtype"] == "fp8")
     text = (out / "gain_map.md").read_text()
     assert "vs upstream-layersplit" in text and text.count("*") >= 2 and "(modelled)" in text
+    assert "### KV fp8" in text and "### KV bf16" in text
+    assert "**vs kv-sharding-shipped -- NOT AVAILABLE on h200 (SM 9): a design bar, never the peer to beat**" in text
+    assert text.count("**vs the best available peer") == 2 and "(upstream-layersplit)" in text
     assert (out / "gain_map.png").stat().st_size > 20_000
     capsys.readouterr()
     assert main(["sweep", "--config", str(cfg), "--out", str(out), "--map", "tokens=1"]) == 2

@@ -41,11 +41,13 @@ def test_cli_refuses_before_any_work(tmp_path, capsys):
     assert not (tmp_path / "x").exists()
 
 
-def test_fp8_is_refused_for_the_measured_engine(tmp_path):
-    cfg = yaml.safe_load((configs_root() / "sweeps" / "cpu.yaml").read_text()) | {"kv_dtype": "fp8"}
+def test_the_measured_engine_takes_fp8_and_refuses_other_dtypes(tmp_path):
+    cpu = yaml.safe_load((configs_root() / "sweeps" / "cpu.yaml").read_text())
     path = tmp_path / "fp8.yaml"
-    path.write_text(yaml.safe_dump(cfg))
-    with pytest.raises(ValueError, match="field 'kv_dtype': expected one of .'bf16',. for the measured engine"):
+    path.write_text(yaml.safe_dump(cpu | {"kv_dtype": "fp8"}))
+    assert load_sweep(str(path)).kv_dtype == "fp8"  # the CP engine reads the 656-byte fp8 rows
+    path.write_text(yaml.safe_dump(cpu | {"kv_dtype": "fp16"}))
+    with pytest.raises(ValueError, match="field 'kv_dtype': expected one of .'bf16', 'fp8'. for the measured engine"):
         load_sweep(str(path))
 
 
