@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from pathlib import Path
 from typing import Any, Callable
 
@@ -44,11 +45,27 @@ def _one_line(text: str) -> str:
     return " ".join(str(text).split())
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """YAML's safe loader, refusing a key given twice in one mapping (PyYAML keeps the last one silently)."""
+
+    def construct_mapping(self, node, deep=False):
+        first: dict[Any, yaml.Mark] = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            if isinstance(key, (str, int, float, bool)) and key in first:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"duplicate key {key!r} (first at line {first[key].line + 1}); expected each field "
+                    "once", key_node.start_mark)
+            first.setdefault(key, key_node.start_mark)
+        return super().construct_mapping(node, deep)
+
+
 def read_yaml(path: Path) -> Any:
-    """Parse a YAML config; a syntax error is one line ``FILE:LINE:COL: expected valid YAML, got ...``."""
+    """Parse a YAML config; a syntax error or a key given twice is one line ``FILE:LINE:COL: expected valid
+    YAML, got ...``."""
     text = read_config_text(path)
     try:
-        return yaml.safe_load(text)
+        return yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark or exc.context_mark
         where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else str(path)
@@ -79,6 +96,8 @@ def check_field(path: Path, key: str, value: Any, ftype: type, nonnegative: bool
     if not (isinstance(value, ftype) and (ftype is bool or not isinstance(value, bool))):
         raise ConfigError(f"{path}: field '{key}': expected {_TYPE_NAMES.get(ftype, ftype.__name__)}, "
                           f"got {value!r} ({type(value).__name__})")
+    if ftype is float and not math.isfinite(value):  # YAML's .inf and .nan are floats too
+        raise ConfigError(f"{path}: field '{key}': expected a finite number, got {value!r}")
     if nonnegative and ftype in (int, float) and value < 0:
         raise ConfigError(f"{path}: field '{key}': expected a value >= 0, got {value!r}")
     return value

@@ -1,9 +1,29 @@
-"""The project's environment variables, typed, in one place (prefix ``LAYERSPLIT_``)."""
+"""The project's environment variables, typed, in one place (prefix ``LAYERSPLIT_``).
+
+Each variable has one strict parser here: a value it does not know is a ``ValueError`` naming the
+variable, never a silent default. :func:`check_all` runs every parser once (the command line calls it in
+the parent process, before anything is spawned or computed), and refuses a ``LAYERSPLIT_*`` name that
+is not one of :data:`VARIABLES` (a typo would otherwise be ignored).
+"""
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Callable
+
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off", "")
+
+
+def _flag(name: str) -> bool:
+    """A boolean variable: 1/true/yes/on, or 0/false/no/off/empty/unset (any case); anything else is refused."""
+    raw = os.environ.get(name, "")
+    value = raw.strip().lower()
+    if value in _TRUE:
+        return True
+    if value in _FALSE:
+        return False
+    raise ValueError(f"{name}: expected 1/true/yes/on or 0/false/no/off, got {raw!r}")
 
 KERNEL_BACKENDS = ("auto", "vendor", "triton", "torch")
 
@@ -41,14 +61,20 @@ def hf_hub_cache() -> Path:
     return cache / "huggingface" / "hub"
 
 
+# Triton's own spellings of "on" (triton 3.x: ``knobs.env_bool`` -> libtriton ``getenv_bool``, which lowercases
+# the value and takes exactly these; every other value, spaces included, reads as off)
+TRITON_TRUE = ("1", "true", "on", "yes", "y")
+
+
 def triton_interpret() -> bool:
-    """``TRITON_INTERPRET=1`` runs Triton kernels on the CPU (Triton's own variable)."""
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+    """``TRITON_INTERPRET`` (Triton's own variable) on: Triton runs its kernels on the CPU. Read as Triton
+    reads it, so this project and Triton never disagree on whether the interpreter is on."""
+    return os.environ.get("TRITON_INTERPRET", "").lower() in TRITON_TRUE
 
 
 def sglang_plugin_enabled() -> bool:
     """``LAYERSPLIT_SGLANG_PLUGIN=1`` turns the SGLang plug-in on (off by default: it then changes nothing)."""
-    return os.environ.get("LAYERSPLIT_SGLANG_PLUGIN", "0").strip().lower() in ("1", "true", "yes", "on")
+    return _flag("LAYERSPLIT_SGLANG_PLUGIN")
 
 
 def sglang_scratch_tokens() -> int:
@@ -98,7 +124,7 @@ def sglang_unsafe_skip() -> frozenset[str]:
 
 def sglang_spec_monitor_enabled() -> bool:
     """``LAYERSPLIT_SGLANG_SPEC_MONITOR=1`` adds the speculative-decoding monitor hook to the plug-in."""
-    return os.environ.get("LAYERSPLIT_SGLANG_SPEC_MONITOR", "0").strip().lower() in ("1", "true", "yes", "on")
+    return _flag("LAYERSPLIT_SGLANG_SPEC_MONITOR")
 
 
 def sglang_spec_trace_path() -> Path | None:
@@ -111,7 +137,7 @@ def sglang_spec_trace_path() -> Path | None:
 def sanitize() -> bool:
     """``LAYERSPLIT_SANITIZE=1`` runs the commands and rank processes under the stream-ordering
     sanitizer (:mod:`hicache.sanitizer`); their JSON then carries ``sanitizer_hazards``."""
-    return os.environ.get("LAYERSPLIT_SANITIZE", "0").strip().lower() in ("1", "true", "yes", "on")
+    return _flag("LAYERSPLIT_SANITIZE")
 
 
 CP_BACKENDS = ("auto", "nccl", "gloo")
@@ -126,3 +152,35 @@ def cp_backend() -> str:
     if value not in CP_BACKENDS:
         raise ValueError(f"LAYERSPLIT_CP_BACKEND: expected one of {CP_BACKENDS}, got {value!r}")
     return value
+
+
+VARIABLES: dict[str, Callable[[], object]] = {
+    "LAYERSPLIT_KERNEL_BACKEND": kernel_backend, "LAYERSPLIT_CP_BACKEND": cp_backend,
+    "LAYERSPLIT_CONFIG_DIR": config_dir, "LAYERSPLIT_SANITIZE": sanitize,
+    "LAYERSPLIT_SGLANG_PLUGIN": sglang_plugin_enabled, "LAYERSPLIT_SGLANG_SCRATCH_TOKENS": sglang_scratch_tokens,
+    "LAYERSPLIT_SGLANG_LANDING": sglang_landing, "LAYERSPLIT_SGLANG_UNSAFE_SKIP": sglang_unsafe_skip,
+    "LAYERSPLIT_SGLANG_SPEC_MONITOR": sglang_spec_monitor_enabled,
+    "LAYERSPLIT_SGLANG_SPEC_TRACE": sglang_spec_trace_path,
+}
+
+
+def check_all() -> None:
+    """Parse every ``LAYERSPLIT_*`` variable once; the first bad one (or unknown name) is a ``ValueError``
+    naming it. Cheap (no imports): the command line runs it before any work."""
+    unknown = sorted(k for k in os.environ if k.startswith("LAYERSPLIT_") and k not in VARIABLES)
+    if unknown:
+        raise ValueError(f"{unknown[0]}: expected one of the known variables ({', '.join(VARIABLES)}), "
+                         f"got an unknown name (a typo?)")
+    for parse in VARIABLES.values():
+        parse()
+
+
+def check_machine(has_cuda: bool) -> None:
+    """The variables that a machine may not honour, for a command that runs kernels or CP ranks here:
+    NCCL needs CUDA, and Triton on a CPU needs its interpreter (``TRITON_INTERPRET=1`` at launch)."""
+    if cp_backend() == "nccl" and not has_cuda:
+        raise ValueError("LAYERSPLIT_CP_BACKEND: expected auto or gloo on a machine without CUDA, got 'nccl' "
+                         "(NCCL needs a GPU per rank); unset it")
+    if kernel_backend() == "triton" and not has_cuda and not triton_interpret():
+        raise ValueError("LAYERSPLIT_KERNEL_BACKEND: 'triton' on a machine without CUDA needs Triton's interpreter; "
+                         "set TRITON_INTERPRET=1 too, or choose torch")

@@ -12,16 +12,18 @@ import signal
 import sys
 import threading
 
+from lsconfig import envs
 from lsconfig.config_io import ConfigError
 from layersplit import __version__
-from layersplit.cli import gpu_check_cmd, monitor_cmd, options, plan_cmd, prefill_cmd, sglang_plan_cmd, stress_cmd, sweep_cmd
+from layersplit.cli import (gpu_check_cmd, monitor_cmd, options, plan_cmd, prefill_cmd, resources, sglang_plan_cmd,
+                            stress_cmd, sweep_cmd)
 
 
 _int_at_least = options.int_at_least
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="layersplit", description=__doc__)
+    parser = options.Parser(prog="layersplit", description=__doc__)
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     plan_cmd.add_parser(sub, _int_at_least)
@@ -31,6 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
     monitor_cmd.add_parser(sub, _int_at_least)
     gpu_check_cmd.add_parser(sub, _int_at_least)
     sglang_plan_cmd.add_parser(sub, _int_at_least)
+    sub.choices["prefill"].set_defaults(machine_env=True)  # runs kernels and CP ranks here: check_machine_env first
     return parser
 
 
@@ -68,6 +71,10 @@ def run(parser: argparse.ArgumentParser, argv: list[str] | None, prog: str) -> i
     if threading.current_thread() is threading.main_thread():
         previous = signal.signal(signal.SIGTERM, _on_sigterm)
     try:
+        options.check_aliases(parser, sys.argv[1:] if argv is None else list(argv), args)
+        envs.check_all()  # every LAYERSPLIT_* variable, here in the parent, before anything is spawned
+        if getattr(args, "machine_env", False):
+            resources.check_machine_env()
         return args.func(args)
     except (ConfigError, ValueError) as exc:
         print(f"{name}: error: {exc}", file=sys.stderr)
@@ -81,6 +88,11 @@ def run(parser: argparse.ArgumentParser, argv: list[str] | None, prog: str) -> i
     except BrokenPipeError:  # the reader went away (``| head``): nothing more to say
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 141
+    except OSError as exc:  # a file the command reads or writes (a full disk, a vanished folder): one line
+        if exc.filename is None:
+            raise
+        print(f"{name}: error: {exc.filename}: {exc.strerror or exc}", file=sys.stderr)
+        return 2
     finally:
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)

@@ -5,10 +5,13 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from layersplit.cli import options
+
 
 def add_arguments(p: argparse.ArgumentParser, int_at_least) -> None:
     """The check's flags, shared by the subcommand and ``benchmarks/gpu_check.py``."""
-    p.add_argument("--out", required=True, help="output folder for gpu_check.json and gpu_check.md (created)")
+    p.add_argument("--out", required=True, type=options.writable_dir,
+                   help="output folder for gpu_check.json and gpu_check.md (created; checked before the run)")
     p.add_argument("--dry-run", action="store_true",
                    help="tiny shapes on the CPU (Triton interpreter, emulated streams), automatic without CUDA; "
                         "next to a GPU set TRITON_INTERPRET=1 at launch to include Triton")

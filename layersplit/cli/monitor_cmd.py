@@ -21,13 +21,15 @@ def add_parser(sub: argparse._SubParsersAction, int_at_least) -> None:
     r = which.add_parser("replay", help="judge recorded requests (JSONL: SGLang meta_info, per-step traces, "
                                         "or the SGLang hook's per-step export)")
     r.add_argument("file", type=options.readable_file, help="JSONL file, one request (or, for a per-step export, one verify step) per line")
-    r.add_argument("--config", default=None, help="monitor YAML (default configs/monitor.yaml)")
+    r.add_argument("--config", type=options.name_or_path, default=None,
+                   help="monitor YAML (default configs/monitor.yaml)")
     r.add_argument("--json", action="store_true", help="print one JSON object")
     r.set_defaults(func=run_replay)
     e = which.add_parser("eval", help="SYNTHETIC evaluation on labelled traces from a tiny draft/target pair")
     e.add_argument("--requests", type=int_at_least(1), default=24, help="requests per regime (default 24)")
     e.add_argument("--seed", type=options.seed, default=0, help="seed of the synthetic traces (default 0)")
-    e.add_argument("--config", default=None, help="monitor YAML (default configs/monitor.yaml)")
+    e.add_argument("--config", type=options.name_or_path, default=None,
+                   help="monitor YAML (default configs/monitor.yaml)")
     e.add_argument("--json", action="store_true", help="print one JSON object")
     e.set_defaults(func=run_eval)
 
@@ -37,7 +39,12 @@ def run_replay(args: argparse.Namespace) -> int:
     from layersplit.pd.spec.replay import format_results, load_records, replay, summarize
 
     cfg = load_monitor_config(args.config)
-    records = load_records(args.file)
+    try:
+        records = load_records(args.file)
+    except UnicodeDecodeError as exc:  # the codec's message names neither the file nor the line
+        line = exc.object[:exc.start].count(b"\n") + 1
+        raise ValueError(f"{args.file}:{line}: expected UTF-8 text, got byte 0x{exc.object[exc.start]:02x} (not "
+                         "UTF-8)") from None
     if not records:
         raise ValueError(f"file: expected at least one JSONL record in {str(args.file)!r}, got none")
     results = replay(records, cfg)

@@ -36,10 +36,10 @@ def _kv_dtype(text: str) -> str:
 
 def add_parser(sub: argparse._SubParsersAction, _int_at_least) -> None:
     p = sub.add_parser("plan", help="KV capacity per CP rank: redundant CP vs LayerSplit")
-    p.add_argument("--model", "--model-path", dest="model", required=True,
+    p.add_argument("--model", "--model-path", dest="model", required=True, type=options.name_or_path,
                    help="model config name (configs/models) or YAML path (--model-path: SGLang's name)")
     p.add_argument("--cp", required=True, type=_int_at_least(1), help="CP group size N")
-    p.add_argument("--hardware", required=True, help="hardware config name (configs/hardware) or YAML path")
+    p.add_argument("--hardware", required=True, type=options.name_or_path, help="hardware config name (configs/hardware) or YAML path")
     p.add_argument("--kv-dtype", "--kv-cache-dtype", dest="kv_dtype", type=_kv_dtype, default=_DEFAULTS.kv_dtype,
                    help="KV cache dtype: bf16 (default) or fp8 (656 B per token and layer for GLM-5); SGLang's "
                         "--kv-cache-dtype names are taken too (auto, bfloat16: bf16; fp8_e4m3: fp8)")
@@ -72,6 +72,10 @@ def _gib(n: float) -> str:
     return f"{n / 2**30:,.2f} GiB"
 
 
+def _not_available(r: dict, mode: str) -> str:
+    return f" -- NOT AVAILABLE on {r['hardware']} (SM {r['sm_major']}; a design bar here)" if mode in r["unavailable"] else ""
+
+
 def _format_plan(r: dict) -> str:
     rows = [
         ("model / hardware / CP", f"{r['model']} / {r['hardware']} / {r['cp']} ranks ({r['ownership']} ownership)"),
@@ -101,12 +105,21 @@ def _format_plan(r: dict) -> str:
         ("tokens per rank, KV sharding shipped", f"{r['tokens_per_rank_kv_sharding_shipped']:,} (0.5.23: "
                                                  f"{r['kv_sharding_shipped_kv_dtype']} KV required, "
                                                  f"{_gib(r['scratch_bytes_kv_sharding_shipped'])} scratch for 8 contexts "
-                                                 f"of {r['context_len']:,})"),
+                                                 f"of {r['context_len']:,})"
+                                                 f"{_not_available(r, 'kv-sharding-shipped')}"),
+        ("tokens per rank, query-moving", f"{r['tokens_per_rank_query_moving']:,} (a design, arXiv 2606.01502: owned "
+                                          f"layers + {_gib(r['scratch_bytes_query_moving'])} for the owner's "
+                                          f"receive slots)"),
+        ("best available peer (capacity)", f"{r['best_available_peer']}, {r['tokens_per_rank_best_available_peer']:,} "
+                                           f"tokens: LayerSplit holds {r['capacity_ratio_vs_best_available_peer']:.3f}x "
+                                           f"(SGLang 0.5.23 layouts that run on {r['hardware']} at {r['kv_dtype']})"),
         ("capacity ratio", f"{r['capacity_ratio']:.3f}x  (ideal {r['capacity_ratio_ideal']:.3f}x, "
                            f"upstream {r['capacity_ratio_upstream']:.3f}x, "
                            f"SGLang plug-in {r['sglang_plugin_capacity_ratio']:.3f}x, "
                            f"KV sharding {r['capacity_ratios']['kv-sharding']:.3f}x, shipped "
-                           f"{r['capacity_ratios']['kv-sharding-shipped']:.3f}x)"),
+                           f"{r['capacity_ratios']['kv-sharding-shipped']:.3f}x"
+                           f"{' not available on ' + r['hardware'] if 'kv-sharding-shipped' in r['unavailable'] else ''}, "
+                           f"query-moving {r['capacity_ratios']['query-moving']:.3f}x)"),
         ("SGLang plug-in by KV dtype", "; ".join(
             f"{d} {p['tokens_per_rank']:,} tokens = {p['ratio_vs_redundant_bf16']:.3f}x redundant bf16, "
             f"{p['ratio_vs_redundant_fp8']:.3f}x redundant fp8" for d, p in r['sglang_plugin_by_kv_dtype'].items())),
@@ -114,7 +127,12 @@ def _format_plan(r: dict) -> str:
                                                             f"(upstream pool-sized: {r['broadcast_bytes_per_layer_upstream'] / 1e9:,.2f} GB)"),
         ("broadcast time per layer (model)", f"{r['broadcast_seconds_per_layer_model'] * 1e3:.3f} ms at "
                                              f"{r['nvlink_efficiency']:.3f} of NVLink bandwidth (as the cost model)"),
+        (f"query-moving per layer @ {r['max_batch_tokens']:,} new", "{:,.1f} MB queries into the owner, {:,.1f} MB "
+                                                                    "outputs back".format(
+                                                                        *(b / 1e6 for b in r['query_moving_bytes_per_layer']))),
     ]
+    rows += [(f"NOT AVAILABLE on {r['hardware']}: {mode}", why.split(': ', 1)[1])
+             for mode, why in r["unavailable"].items()]
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
 
@@ -124,6 +142,9 @@ def _run_plan(args: argparse.Namespace) -> int:
         model, hw = load_model(args.model), load_hardware(args.hardware)
     except ValueError as exc:
         raise ValueError(options.as_flag(str(exc))) from None
+    if args.weight_shards is not None and args.weight_shards > model.n_routed_experts:
+        raise ValueError(f"--weight-shards: expected <= {model.n_routed_experts} (the routed experts of {model.name} "
+                         f"in each layer: expert parallelism splits whole experts), got {args.weight_shards}")
     req = PlanRequest(cp=args.cp, kv_dtype=args.kv_dtype, max_batch_tokens=args.max_batch_tokens,
                       max_requests=args.max_requests,
                       context_len=args.context_len, mem_fraction=args.mem_fraction, weight_dtype=args.weight_dtype,

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from dataclasses import asdict
 
-from layersplit.cli import options
+from layersplit.cli import options, resources
 
 UNSAFE = {"indexer": {"indexer"}, "kv": {"kv"}, "both": {"indexer", "kv"}, "fence": {"fence"}}
 
@@ -23,11 +24,12 @@ def add_parser(sub: argparse._SubParsersAction, int_at_least) -> None:
     h.add_argument("--unsafe-skip-wait", choices=sorted(UNSAFE), default=None,
                    help="UNSAFE: drop the indexer wait, the KV wait, both, or the page-reuse fence, to show "
                         "that the harness detects the resulting corruption")
-    h.add_argument("--model", default="tiny", help="model config for the cache dims (default tiny)")
+    h.add_argument("--model", type=options.name_or_path, default="tiny",
+                   help="model config for the cache dims (default tiny)")
     h.add_argument("--runtime", choices=("auto", "emulated", "cuda"), default="auto",
                    help="streams: CUDA where present (auto, default), the emulated runtime, or CUDA (fails without)")
     h.add_argument("--json", action="store_true", help="print the report as one JSON object")
-    h.set_defaults(func=run_hicache)
+    h.set_defaults(func=run_hicache, machine_env=True)  # runs the kernels here
     d = which.add_parser("pd", help="prefill/decode abort storms (discrete-event simulation): safe release vs the "
                                      "legacy immediate release, LayerSplit prefill ranks, lossy control plane "
                                      "(on real processes: python -m tools.pd_real storm, from a checkout)")
@@ -68,8 +70,8 @@ def add_pd_arguments(d: argparse.ArgumentParser, int_at_least) -> None:
                    help="control message delay upper bound in virtual seconds (default 0.02)")
     d.add_argument("--mean-arrival-s", type=options.number_in(0, 3600, low_open=True), default=0.015,
                    help="mean seconds between request arrivals, exponential (default 0.015)")
-    d.add_argument("--cancel", type=options.number_in(0, 1), default=0.03,
-                   help="probability a client cancels (some twice), in [0, 1] (default 0.03)")
+    d.add_argument("--cancel", type=options.number_in(0, 1, high_open=True), default=0.03,
+                   help="probability a client cancels (some twice), in [0, 1) (default 0.03)")
     d.add_argument("--restart-mean-s", type=options.number_in(0, 1e9), default=None,
                    help="mean virtual seconds between crashes of each prefill rank (default 60; 0: no restarts; "
                         "sim only)")
@@ -85,10 +87,11 @@ def add_pd_arguments(d: argparse.ArgumentParser, int_at_least) -> None:
                    help="a false suspicion: --outage-rank's lease expires at --outage-at while it is alive and it "
                         "heartbeats again this much later (fenced meanwhile if longer than --fence-after-s; "
                         "real processes: SIGSTOP, then SIGCONT this much later)")
-    d.add_argument("--outage-rank", type=int_at_least(0), default=0,
-                   help="the rank of --partition / --prefill-down / --lease-loss")
-    d.add_argument("--outage-at", type=options.number_in(0, 1e6), default=10.0,
-                   help="virtual time of --partition / --prefill-down / --lease-loss (default 10)")
+    d.add_argument("--outage-rank", type=int_at_least(0), default=None,
+                   help="the rank of --partition / --prefill-down / --lease-loss (default 0; only with one of them)")
+    d.add_argument("--outage-at", type=options.number_in(0, 1e6), default=None,
+                   help="virtual time of --partition / --prefill-down / --lease-loss (default 10; only with one of "
+                        "them)")
     d.add_argument("--restart-decode", type=options.number_in(0, 1e6), action="append", default=[],
                    metavar="SECONDS", help="crash and restart the decode worker at this virtual time; repeatable")
     d.add_argument("--fence-after-s", type=options.number_in(0, 1e6), default=30.0,
@@ -113,9 +116,35 @@ def add_pd_arguments(d: argparse.ArgumentParser, int_at_least) -> None:
 def _pd_kill(text: str) -> tuple[int, float]:
     rank, _, at = text.partition("@")
     try:
-        return int(rank), float(at)
+        parsed = int(rank), float(at)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected RANK@SECONDS (e.g. 3@10.5), got {text!r}") from None
+        parsed = (-1, -1.0)
+    if parsed[0] < 0 or not 0 <= parsed[1] <= 1e6:  # float() also takes nan and inf
+        raise argparse.ArgumentTypeError(f"expected RANK@SECONDS, a rank >= 0 and seconds in [0, 1e6] (e.g. "
+                                         f"3@10.5), got {text!r}")
+    return parsed
+
+
+_OUTAGES = (("--partition", "partition"), ("--prefill-down", "prefill_down"), ("--lease-loss", "lease_loss"))
+# the storm config's field names (layersplit.pd.abort.stress_config) as the flags that set them
+PD_FLAG_OF = {"kill": "kill-rank", "outage": "prefill-down", "guard": "guard-off", "num_pages": "decode-pages"}
+
+
+def _outage_place(args: argparse.Namespace) -> tuple[int, float]:
+    """--outage-rank / --outage-at, which place an outage: refused without one (they would do nothing)."""
+    given = [flag for flag, value in (("--outage-rank", args.outage_rank), ("--outage-at", args.outage_at))
+             if value is not None]
+    if given and not any(getattr(args, name) for _, name in _OUTAGES):
+        raise ValueError(f"{given[0]}: expected it only with {', '.join(f for f, _ in _OUTAGES)} (the outage it "
+                         "places), got it without one")
+    rank = 0 if args.outage_rank is None else args.outage_rank
+    if rank >= args.prefill_cp:
+        raise ValueError(f"--outage-rank: expected a rank in [0, {args.prefill_cp - 1}], got {rank}")
+    bad = next((r for r, _ in args.kill_rank if r >= args.prefill_cp), None)
+    if bad is not None:
+        raise ValueError(f"--kill-rank: expected a rank in [0, {args.prefill_cp - 1}] (--prefill-cp "
+                         f"{args.prefill_cp}), got {bad}")
+    return rank, 10.0 if args.outage_at is None else args.outage_at
 
 
 def pd_config(args: argparse.Namespace, default_layers: int = 61):
@@ -128,11 +157,13 @@ def pd_config(args: argparse.Namespace, default_layers: int = 61):
     from layersplit.plan.ownership import plan_ownership
 
     check_names(args.guard_off)  # one clear error before any work
-    if args.outage_rank >= args.prefill_cp:
-        raise ValueError(f"--outage-rank: expected a rank in [0, {args.prefill_cp - 1}], got {args.outage_rank}")
+    rank, at = _outage_place(args)
     layers = args.layers or default_layers
+    if args.prefill_cp > layers:
+        raise ValueError(f"--prefill-cp: expected <= num_layers ({layers}) of --layers so every rank owns a layer, "
+                         f"got {args.prefill_cp}")
     plan = plan_ownership(layers, args.prefill_cp, "contiguous")  # pd takes the ownership as plain data
-    outage = lambda seconds: ((args.outage_rank, args.outage_at, seconds),) if seconds else ()  # noqa: E731
+    outage = lambda seconds: ((rank, at, seconds),) if seconds else ()  # noqa: E731
     decode = decode_config_off(DecodeConfig(num_pages=args.decode_pages, fence_after_s=args.fence_after_s or None,
                                             fence_unreachable_s=args.fence_unreachable_s), args.guard_off)
     return PDStressConfig(
@@ -149,8 +180,6 @@ def pd_config(args: argparse.Namespace, default_layers: int = 61):
 def pd_verdict(args: argparse.Namespace, broken: list[str], overwrites: int) -> int:
     """The exit code of a pd storm (simulated or on real processes): 1 where the safe protocol failed; an UNSAFE run
     (legacy release, a guard off) is expected to fail: 0 where it did, 3 (a warning) where it did not."""
-    import sys
-
     if args.legacy_immediate_release:
         if not overwrites:
             print("warning: the legacy release reproduced no overwrite; run more --requests", file=sys.stderr)
@@ -173,8 +202,12 @@ def run_pd(args: argparse.Namespace) -> int:
     from layersplit.pd.abort.stress import failures, run_pd_stress
     from layersplit.pd.abort.guards import guards_off
 
-    cfg = pd_config(args)
+    try:
+        cfg = pd_config(args)
+    except ValueError as exc:  # the storm config names its fields; the user typed the flags
+        raise ValueError(options.as_flag(str(exc), PD_FLAG_OF)) from None
     with guards_off(args.guard_off):
+        resources.check_storm_fits(cfg, run_pd_stress)  # a long storm is measured first, refused if it cannot fit
         report = run_pd_stress(cfg)
     report["note"] = "discrete-event simulation of a PD cluster (virtual time), faults seeded"
     report["guards_off"] = list(args.guard_off)
@@ -198,8 +231,9 @@ def run_hicache(args: argparse.Namespace) -> int:
     cfg = StressConfig(layer_loads=args.loads, seed=args.seed, runtime=args.runtime, sanitize=envs.sanitize(),
                        unsafe_skip=frozenset(UNSAFE.get(args.unsafe_skip_wait, ())),
                        index_heads=model.index_n_heads, attn_heads=model.num_heads, topk=model.index_topk)
+    eta = resources.eta_printer("stress hicache", args.loads, "layer loads")
     with tqdm(total=args.loads, unit="layer", disable=args.json, leave=False) as bar:
-        report = run_stress(cache_spec(model), cfg, progress=bar.update)
+        report = run_stress(cache_spec(model), cfg, progress=lambda n: (bar.update(n), eta(n)))
     if args.json:
         print(json.dumps(asdict(report)))
     else:

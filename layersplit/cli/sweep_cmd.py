@@ -8,14 +8,15 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from layersplit.cli import options
+from layersplit.cli import options, resources
 
 
 def add_parser(sub: argparse._SubParsersAction, int_at_least) -> None:
     p = sub.add_parser("sweep", help="40k-120k prefill throughput at 90%% cache hit: layersplit vs redundant CP")
     p.add_argument("--engine", choices=("real", "model"), default=None,
                    help="real: measured on this machine (default config 'cpu'); model: the GLM-5 / 8xH200 cost model")
-    p.add_argument("--config", default=None, help="sweep config name (configs/sweeps) or YAML path")
+    p.add_argument("--config", type=options.name_or_path, default=None,
+                   help="sweep config name (configs/sweeps) or YAML path")
     p.add_argument("--out", type=options.writable_dir, default=None,
                    help="folder for points.jsonl, table.md, throughput.png (default out/sweep/<config>-<engine>, one "
                         "per config and engine; checked before the run)")
@@ -30,11 +31,11 @@ def add_parser(sub: argparse._SubParsersAction, int_at_least) -> None:
 def run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    from layersplit.api import check_out, sweep
+    from layersplit.api import check_fits, check_out, sweep
     from layersplit.serving.sweep import modes_of
     from layersplit.serving.sweep_config import load_sweep
 
-    name = args.config or ("glm5-h200" if args.engine == "model" else "cpu")
+    name = ("glm5-h200" if args.engine == "model" else "cpu") if args.config is None else args.config
     try:
         cfg = load_sweep(name)  # every field checked (and the CP size against the model) before any work
     except ValueError as exc:
@@ -42,6 +43,13 @@ def run(args: argparse.Namespace) -> int:
     axis = _parse_map(args.map) if args.map else None
     if args.engine:
         cfg = replace(cfg, engine=args.engine)
+    if cfg.engine == "real":  # resources before work: the rank processes' memory, the kernels' environment
+        resources.check_machine_env()
+        try:
+            check_fits(cfg, "use --engine model (modelled) or --config cpu (the tiny model, measured)")
+        except ValueError as exc:
+            given = f"--engine real with --config {name}" if args.engine else f"--config {name} (engine: real)"
+            raise ValueError(f"{given}: {exc}") from None
     out = args.out or Path("out/sweep") / f"{Path(name).stem}-{cfg.engine}"
     try:
         check_out(out, args.force)

@@ -5,7 +5,8 @@ Verdict, from the sections and the skip list:
 
 * ``failed``     — a section failed (or raised, or was running when the watchdog fired);
 * ``incomplete`` — nothing failed, but something this mode exists to check did not run (a section
-  or part skipped for the time budget, a vendor module missing, ``--sections`` leaving one out);
+  or part skipped for the time budget, a vendor module missing), or no section but ``environment`` (the
+  device facts) ran at all: a check that checked nothing has not passed;
 * ``passed``     — everything this mode checks ran and passed. A part that cannot run in this mode
   (the GPU-only vendor section in a CPU dry run) is listed as skipped but does not count.
 
@@ -23,9 +24,11 @@ EXIT = {"passed": 0, "failed": 1, "incomplete": 3}
 
 
 def verdict(report: dict) -> str:
-    if any(s["status"] == "failed" for s in report["sections"].values()):
+    sections = report["sections"]
+    if any(s["status"] == "failed" for s in sections.values()):
         return "failed"
-    return "incomplete" if any(s.get("counts", True) for s in report["skipped"]) else "passed"
+    checked = any(s["status"] == "ok" for name, s in sections.items() if name != "environment")
+    return "incomplete" if not checked or any(s.get("counts", True) for s in report["skipped"]) else "passed"
 
 
 def exit_code(report: dict) -> int:

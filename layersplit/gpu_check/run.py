@@ -57,6 +57,7 @@ from typing import Callable
 import torch
 
 from layersplit.gpu_check import children
+from lsconfig import envs
 from layersplit.gpu_check.cases import CASE_BUILDERS, OpCase, Shapes, _ref, check_case_contracts, vendor_checks
 from layersplit.gpu_check.report import CPU_TIMING_NOTE, JSON_NAME, MD_NAME, exit_code, write_json, write_outputs
 
@@ -197,7 +198,7 @@ def section_environment(ctx: Context) -> dict:
         "mode": ctx.mode, "device": str(ctx.device), "device_name": name, "torch": torch.__version__,
         "triton": triton.__version__, "cuda_runtime": torch.version.cuda, "cuda_available": cuda,
         "cuda_devices": torch.cuda.device_count() if cuda else 0, "vendor_ops": _vendor_ops(),
-        "backends": list(ctx.backends), "triton_interpret": os.environ.get("TRITON_INTERPRET", "0") == "1",
+        "backends": list(ctx.backends), "triton_interpret": envs.triton_interpret(),
         "cpu_threads": torch.get_num_threads(), "h200_peaks": ctx.peaks,
         # what `layersplit plan` takes as hbm_reported_bytes (configs/hardware): checked here on a GPU
         "device_total_memory_bytes": torch.cuda.get_device_properties(ctx.device).total_memory if ctx.on_cuda else None,
@@ -543,7 +544,7 @@ def prepare_triton(mode: str) -> str | None:
     Set here only where CUDA is absent: next to a GPU it would turn every later Triton kernel of
     this process into an interpreted one, so a dry run there needs it set at launch.
     """
-    if mode == "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
+    if mode == "cuda" or envs.triton_interpret():
         return None
     if torch.cuda.is_available():
         return "Triton on the CPU next to a GPU needs TRITON_INTERPRET=1 set at launch"

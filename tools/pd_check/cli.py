@@ -7,20 +7,27 @@ Exit status: 0 no violation (and the bound explored completely, or stopped by --
 output says which), 1 a violation (the counterexample is printed — a shortest one unless the partial-order
 reduction was in force, see ``--shortest``, or a walk's one-minimal trace with ``--simulate``; ``--save`` writes
 it for ``--replay``), 3 with an UNSAFE switch (``--legacy-immediate-release`` / ``--guard-off``) when no
-counterexample was found within the bounds; 2 bad input, 130 / 143 interrupted / terminated.
+counterexample was found within the bounds, or a ``--replay`` that diverged (a step is no longer possible);
+2 bad input, or ``--save`` could not be written (the result is printed first), 130 / 143 interrupted / terminated.
+
+A search or a walk prints a progress line (states, depth, elapsed) on stderr every ``PROGRESS_S`` seconds, with
+``--json`` too (stdout then holds only the JSON object).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
-from pathlib import Path
+import sys
+import time
 
 from layersplit.cli import app, options
 
 
 PROG = "python -m tools.pd_check"
+PROGRESS_S = 10.0  # seconds between progress lines on stderr
+# CheckBounds' field names as the flags that set them (the others are the flag with dashes)
+FLAG_OF = {"timeout_s": "timeout", "legacy": "legacy-immediate-release", "guards_off": "guard-off"}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -32,7 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
     from tools.pd_check.bounds import FAULT_KINDS
 
     int_at_least = options.int_at_least
-    c = argparse.ArgumentParser(prog=PROG, description="every interleaving of the PD abort protocol (explicit-state, "
+    c = options.Parser(prog=PROG, description="every interleaving of the PD abort protocol (explicit-state, "
                                                        "breadth-first), or random walks over it (--simulate)")
     c.add_argument("--prefill-ranks", type=int_at_least(1), default=2, help="LayerSplit prefill CP ranks (default 2)")
     c.add_argument("--requests", type=int_at_least(1), default=2, help="request ids submitted (default 2)")
@@ -84,7 +91,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --simulate: the chance per step of a fault or cancel while one is possible (default 0.1)")
     c.add_argument("--no-minimize", action="store_true",
                    help="with --simulate: report a violating walk's trace as it was, not shortened")
-    c.add_argument("--save", default=None, metavar="FILE", help="write the counterexample (if any) as JSON")
+    c.add_argument("--save", type=_save_file, default=None, metavar="FILE",
+                   help="write the counterexample (if any) as JSON (its folder is checked before the search)")
     c.add_argument("--replay", type=options.readable_file, default=None, metavar="FILE",
                    help="replay a saved counterexample step by step instead of exploring (its bounds are used)")
     c.add_argument("--json", action="store_true", help="print one JSON object")
@@ -97,45 +105,85 @@ def run_pd(args: argparse.Namespace) -> int:
                                 shortest)
 
     if args.replay:
+        _replay_alone(args)  # the file's bounds are replayed: a bound flag beside it would be ignored
         return _replay(args, load_counterexample, replay, format_trace)
     plan = _walk_plan(args)  # before any work: a walk flag without --simulate is refused
-    folder = Path(args.save).resolve().parent if args.save else None
-    if args.save and (not folder.is_dir() or not os.access(folder, os.W_OK)):
-        raise ValueError(f"--save: expected a file in a writable folder, got {args.save!r}")  # before any work
-    bounds = CheckBounds(prefill_ranks=args.prefill_ranks, requests=args.requests, faults=args.faults,
-                         pages=args.pages, retries=args.retries, cancels=args.cancels, abort_sends=args.abort_sends,
-                         polls=args.polls, channel_capacity=args.channel_capacity, max_states=args.max_states,
-                         timeout_s=args.timeout, legacy=args.legacy_immediate_release, guards_off=tuple(args.guard_off),
-                         fence_unreachable=args.fence_unreachable, symmetry=not args.no_symmetry,
-                         stale_events=not args.no_stale_events, por=not args.no_por,
-                         **_kinds(args.fault_kinds))
+    try:
+        bounds = _bounds(args, CheckBounds)
+    except ValueError as exc:  # the bounds name their fields; the user typed the flags
+        raise ValueError(options.as_flag(str(exc), FLAG_OF)) from None
+    progress = _progress_printer()
     if plan is not None:
         from tools.pd_check.simulate import shortest_walk, simulate
 
-        result = simulate(bounds, plan, workers=args.workers)
+        result = simulate(bounds, plan, workers=args.workers, progress=progress)
         if args.shortest:
             result = shortest_walk(bounds, result, workers=args.workers)
     else:
-        result = run_check(bounds, workers=args.workers)
+        result = run_check(bounds, workers=args.workers, progress=progress)
         if args.shortest:
-            result = shortest(bounds, result, workers=args.workers)
+            result = shortest(bounds, result, workers=args.workers, progress=progress)
+    _print_result(args, result, plan is not None, format_trace)
     if args.save and result["counterexample"]:
-        save_counterexample(args.save, result)
-    if args.json:
-        print(json.dumps(result))
-    else:
-        keys = _SIMULATION_KEYS if plan is not None else _SEARCH_KEYS
-        for key in keys:
-            print(f"{key:<28} {_end_classes(result[key]) if key == 'end_classes' else result[key]}")
-        if result["counterexample"]:
-            maybe = "(one-minimal, maybe not shortest: --shortest)" if plan is not None \
-                else "(maybe not shortest: --shortest or --no-por)"
-            which = "shortest" if result["shortest"] else maybe
-            print(f"{which} counterexample:\n" + format_trace(result["counterexample"]))
+        try:  # after the result is printed: a failed write loses the file, not the search
+            save_counterexample(args.save, result)
+        except OSError as exc:
+            print(f"{PROG}: error: --save: could not write {str(args.save)!r}: {exc.strerror or exc}", file=sys.stderr)
+            return 2
     unsafe = args.legacy_immediate_release or args.guard_off
     if unsafe:
         return 0 if result["violations"] else 3
     return 1 if result["violations"] else 0
+
+
+def _bounds(args: argparse.Namespace, CheckBounds):
+    return CheckBounds(prefill_ranks=args.prefill_ranks, requests=args.requests, faults=args.faults,
+                       pages=args.pages, retries=args.retries, cancels=args.cancels, abort_sends=args.abort_sends,
+                       polls=args.polls, channel_capacity=args.channel_capacity, max_states=args.max_states,
+                       timeout_s=args.timeout, legacy=args.legacy_immediate_release, guards_off=tuple(args.guard_off),
+                       fence_unreachable=args.fence_unreachable, symmetry=not args.no_symmetry,
+                       stale_events=not args.no_stale_events, por=not args.no_por, **_kinds(args.fault_kinds))
+
+
+def _print_result(args: argparse.Namespace, result: dict, walked: bool, format_trace) -> None:
+    if args.json:
+        print(json.dumps(result))
+    else:
+        keys = _SIMULATION_KEYS if walked else _SEARCH_KEYS
+        for key in keys:
+            print(f"{key:<28} {_end_classes(result[key]) if key == 'end_classes' else result[key]}")
+        if result["counterexample"]:
+            maybe = "(one-minimal, maybe not shortest: --shortest)" if walked \
+                else "(maybe not shortest: --shortest or --no-por)"
+            which = "shortest" if result["shortest"] else maybe
+            print(f"{which} counterexample:\n" + format_trace(result["counterexample"]))
+
+
+def _progress_printer():
+    """``progress(states, depth)`` for a search or ``progress(walks, steps)`` for walks: a line on stderr every
+    ``PROGRESS_S`` seconds (a search that ends sooner prints none)."""
+    start = last = time.perf_counter()
+
+    def say(count: int, depth: int, what: str = "states") -> None:
+        nonlocal last
+        now = time.perf_counter()
+        if now - last >= PROGRESS_S:
+            last = now
+            deep = "depth" if what == "states" else "steps"
+            print(f"{PROG}: {count:,} {what}, {deep} {depth:,}, {now - start:,.0f} s", file=sys.stderr, flush=True)
+
+    return say
+
+
+def _replay_alone(args: argparse.Namespace) -> None:
+    """--replay runs the file's bounds: any bound or search flag given beside it would do nothing."""
+    defaults = vars(build_parser().parse_args([]))
+    given = [name for name, value in vars(args).items() if name not in ("replay", "json", "func")
+             and defaults.get(name) != value]
+    if given:
+        flag = next(a.option_strings[0] for a in build_parser()._actions if a.dest == given[0])
+        raise ValueError(f"{flag}: expected no bound or search flag with --replay (the file's bounds are replayed), "
+                         f"got {flag}")
 
 
 _SEARCH_KEYS = ("states", "depth", "transitions", "terminal_states", "pruned_by_channel_capacity", "por_reduced_states",
@@ -167,6 +215,15 @@ def _walk_plan(args: argparse.Namespace):
     return WalkPlan(walks=args.simulate, minimize=not args.no_minimize, **chosen)
 
 
+def _save_file(text: str):
+    """--save: a file in a folder that exists and is writable (checked before the search: it may take hours)."""
+    path = options.writable_file(text)
+    if not path.parent.is_dir():
+        raise argparse.ArgumentTypeError(f"expected a file in a writable folder, got {text!r} (no folder "
+                                         f"{str(path.parent)!r})")
+    return path
+
+
 def _workers(text: str) -> int | str:
     from tools.pd_check.parallel import resolve_workers
 
@@ -189,6 +246,8 @@ def _replay(args, load_counterexample, replay, format_trace) -> int:
         print(json.dumps({"bounds": bounds.to_dict(), "recorded": recorded, **outcome}))
     else:
         print(format_trace({"trace": trace[:outcome["steps"]], "violation": outcome["violation"]}))
-        if outcome["diverged"]:
-            print(f"diverged: step {outcome['steps'] + 1} is not possible any more: {outcome['diverged']}")
+    if outcome["diverged"]:  # the code changed under the trace: it no longer reproduces (or refutes) anything
+        print(f"{PROG}: diverged: step {outcome['steps'] + 1} of {args.replay} is not possible any more: "
+              f"{outcome['diverged']}", file=sys.stderr)
+        return 3
     return 1 if outcome["violation"] else 0

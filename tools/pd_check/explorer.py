@@ -36,30 +36,31 @@ _T0 = [0.0]  # the running check's start (for states/s)
 
 
 def run_check(bounds: CheckBounds, classes: set | None = None, terminal_classes: set | None = None,
-              workers: int | str = 1) -> dict:
+              workers: int | str = 1, progress=None) -> dict:
     """Explore every interleaving within ``bounds``; returns the JSON-ready result (``violations`` empty
     when none was found; else ``counterexample`` holds the trace, one label per step — a shortest one
     when ``shortest``). ``classes`` / ``terminal_classes``: if given, filled with the class (the fingerprint
     under symmetry and stale events) of every state / every terminal state explored — what the cross-checks
     compare between a reduced and an unreduced run (the partial-order reduction keeps every terminal class,
     not every state). ``workers``: processes expanding each level (an integer, or ``"auto"``: one per CPU);
-    the states, transitions and verdict are the same for any count (see :mod:`tools.pd_check.parallel`)."""
+    the states, transitions and verdict are the same for any count (see :mod:`tools.pd_check.parallel`).
+    ``progress(states, depth)``: told after each span of frontier states is merged (at most 512 states apart)."""
     workers = resolve_workers(workers)
     start = _T0[0] = time.perf_counter()
     with guards_off(bounds.guards_off), _quiet():
-        result = _Search(bounds, classes, terminal_classes, workers).run(start)
+        result = _Search(bounds, classes, terminal_classes, workers, progress).run(start)
     result["seconds"] = round(time.perf_counter() - start, 2)
     return result
 
 
-def shortest(bounds: CheckBounds, result: dict, workers: int | str = 1) -> dict:
+def shortest(bounds: CheckBounds, result: dict, workers: int | str = 1, progress=None) -> dict:
     """``result`` if its counterexample is a shortest one (or it has none); else the result of a re-run
     without the partial-order reduction, no deeper than that counterexample: breadth-first over every
     interleaving, so its first violation has a shortest trace."""
     if result["shortest"] or not result["counterexample"]:
         return result
     depth = len(result["counterexample"]["trace"])
-    return run_check(replace(bounds, por=False, max_depth=depth), workers=workers)
+    return run_check(replace(bounds, por=False, max_depth=depth), workers=workers, progress=progress)
 
 
 _STATS = ("transitions", "terminal_states", "pruned_by_channel_capacity", "por_reduced_states",
@@ -80,8 +81,9 @@ class _Span:
 
 class _Search:
     def __init__(self, bounds: CheckBounds, classes: set | None, terminal_classes: set | None,
-                 workers: int = 1) -> None:
+                 workers: int = 1, progress=None) -> None:
         self.bounds, self.classes, self.terminal_classes, self.workers = bounds, classes, terminal_classes, workers
+        self.progress = progress or (lambda states, depth: None)
         self.hashed = Hasher(bounds.symmetry, bounds.stale_events)
         self.parents: dict[int, tuple[int | None, tuple | None]] = {}  # fingerprint -> (parent's, action)
         self.stats = {**dict.fromkeys(_STATS, 0), "frontier_sizes": []}
@@ -109,6 +111,7 @@ class _Search:
                 found = self._merge(span)
                 if found is not None:
                     return self._result(depth + found[0], None, *found[1:])
+                self.progress(len(self.parents), depth)
                 if len(self.parents) >= b.max_states:
                     stopped = f"max_states ({b.max_states})"
                     break

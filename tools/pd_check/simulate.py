@@ -78,14 +78,15 @@ class _Span:
 
 
 def simulate(bounds: CheckBounds, plan: WalkPlan, workers: int | str = 1, classes: set | None = None,
-             terminal_classes: set | None = None) -> dict:
+             terminal_classes: set | None = None, progress=None) -> dict:
     """Run ``plan.walks`` random walks within ``bounds`` (stopping at the first violation, or after
     ``bounds.timeout_s``); the JSON-ready result, shaped like :func:`~tools.pd_check.explorer.run_check`'s
     (``counterexample`` holds the shortened trace, ``raw_trace_length`` the walk's own). ``classes`` /
     ``terminal_classes``: if given, filled with the class of every state / every state where nothing is
     owed that a walk reached — as ``run_check`` fills them, so a test can hold the walks' states inside the
     exhaustive search's and measure how much of it they covered. ``end_classes``: the estimates over the
-    classes of the walks' end states (:func:`~tools.pd_check.coverage.end_class_estimates`)."""
+    classes of the walks' end states (:func:`~tools.pd_check.coverage.end_class_estimates`). ``progress(walks,
+    steps, "walks")``: told after each span of walks."""
     workers = resolve_workers(workers)
     collect = (classes is not None, terminal_classes is not None)
     start = time.perf_counter()
@@ -101,6 +102,8 @@ def simulate(bounds: CheckBounds, plan: WalkPlan, workers: int | str = 1, classe
             for spent, n in span.faults_spent.items():
                 faults_spent[spent] = faults_spent.get(spent, 0) + n
             ends.update(span.ends)
+            if progress is not None:
+                progress(total.counts["walks"], total.counts["steps"], "walks")
             if span.found is not None:
                 found = span.found
                 break
