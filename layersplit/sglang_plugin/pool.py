@@ -1,47 +1,26 @@
 """LayerSplit pool for SGLang: :class:`LayerSplitPoolMixin` over SGLang's ``LayerSplitDSATokenToKVPool``.
 
-Upstream broadcasts a non-owned layer's **whole** pool-sized buffer (``size + page_size`` rows of
-KV, every page of index keys) each time a rank reads it, into one pool-sized scratch layer, so a
-prefetch of layer l + 1 must first wait for layer l, and every rank gives up one layer of KV
-capacity for the scratch. The plug-in pool:
+What it changes against upstream's pool (row-only broadcasts, two staging slots, batch-sized landing,
+prefix index keys off the critical path, fp8 rows, reads in place): see
+docs/sglang-plugin.md#the-pool-compared-with-upstreams.
 
-* broadcasts only the **batch's pages** (prefix pages, then the pages holding new tokens, as the
-  hook on the DSA backend's ``init_forward_metadata`` hands them to :meth:`set_batch_pages`), both
-  for the latent KV and for the indexer keys;
-* moves the indexer keys of the **prefix** pages off the critical path: they do not change during
-  the forward, so they are broadcast one layer ahead on the broadcast stream (with the KV prefetch);
-  only the pages holding new tokens are broadcast when the indexer reads the layer, after it stored
-  their keys (:mod:`.index_cache`);
-* stages the broadcasts in **two batch-sized slots** (layer l uses slot l % 2, :mod:`.staging`), so
-  the model's one-layer-ahead ``prefetch_kv_buffer(l + 1)`` runs on the broadcast stream while layer
-  l reads;
-* **landing** (``LAYERSPLIT_SGLANG_LANDING``): ``batch`` (default) — the slots *are* where a
-  non-owned layer is read: slot row ``i * 64 + t`` holds token ``t`` of the batch's i-th page, and
-  the DSA backend reads non-owned layers through page tables remapped to those rows
-  (:mod:`layersplit.sglang_plugin.landing`), so no pool-sized scratch exists; ``pool`` — upstream's
-  pool-sized landing buffers are kept and each staged layer is scattered into them (for attention
-  configurations the remap does not cover, decided at start-up by :mod:`.startup`, which counts
-  them in SGLang's KV budget). Nothing is allocated after start-up: the slots are sized once (a
-  whole context each; admission keeps a batch's de-duplicated pages within one, :mod:`.sharing`);
-* stores the latent rows in SGLang's own fp8 DSA layout when the pool is fp8
-  (``dsa_kv_cache_store_fp8``: 512 e4m3 + 4 fp32 scales + 64 bf16 rope = 656 B a token) — upstream's
-  layer split asserts that away; the bytes move as uint8, so the broadcasts need no fp8 support;
-* lets the owner read its own buffer in place (upstream copies it into the scratch first);
-* always waits for HiCache's per-layer load before broadcasting: the KV broadcast waits the layer's
-  KV-ready event, the indexer-key broadcast only its indexer-ready event
-  (:class:`layersplit.sglang_plugin.hicache.SplitLayerDoneCounter`).
+Invariants and hazards:
 
-The per-forward path reads no device value on the host (no ``.item()``, ``unique``, boolean masks):
-sizes come from the host lists the hook builds. Ownership stays upstream's contiguous split: SGLang's
-PD transfer labels a rank's layers as one range ``[layer_shard_start, ...)`` and its HiCache host
-pools assume the same.
-
-Without batch pages (a batch the hook did not see: a CUDA-graph replay, a batch without host
-lengths) the pool runs upstream's whole-buffer path into upstream's landing layer, which exists only
-where the start-up plan chose ``pool`` landing for such a worker (a ``batch`` pool refuses that path
-rather than allocate it), with one intended difference: without a broadcast communicator upstream's
-prefetch broadcasts at once without waiting for HiCache's layer counter (a read before the layer is
-loaded); ours waits.
+* every broadcast waits for HiCache's load of its layer first: the KV broadcast on the layer's KV-ready
+  event, the indexer-key broadcast only on its indexer-ready event
+  (:class:`layersplit.sglang_plugin.hicache.SplitLayerDoneCounter`); the broadcast stream waits, never the
+  forward stream;
+* nothing is allocated after start-up: the two staging slots are sized once (a whole context each;
+  admission keeps a batch's de-duplicated pages within one, :mod:`.sharing`), and a ``batch`` pool refuses
+  upstream's whole-buffer path rather than allocate its pool-sized landing layer;
+* the per-forward path reads no device value on the host (no ``.item()``, ``unique``, boolean masks): sizes
+  come from the host lists the hook builds, and the page ids it hands over are trusted, not validated;
+* every CP rank is handed the same pages; ownership stays upstream's contiguous split (SGLang's PD transfer
+  labels a rank's layers as one range ``[layer_shard_start, ...)`` and its HiCache host pools assume it);
+* without batch pages (a CUDA-graph replay, a batch without host lengths) the pool runs upstream's
+  whole-buffer path into upstream's landing layer, which exists only where the start-up plan chose
+  ``pool`` landing — and still waits for HiCache's layer counter, where upstream's prefetch without a
+  broadcast communicator does not (a read before the layer is loaded).
 
 :class:`LayerSplitPoolMixin` holds the methods; :func:`make_pool_class` combines it with SGLang's class
 when the plug-in loads, so ``import layersplit`` needs no sglang.
@@ -63,7 +42,7 @@ log = logging.getLogger(__name__)
 
 
 class LayerSplitPoolMixin(PoolBuffersMixin, StagedBroadcastMixin):
-    """Overrides of SGLang's ``LayerSplitDSATokenToKVPool`` (see the module docstring); combined with it
+    """Overrides of SGLang's ``LayerSplitDSATokenToKVPool`` (see docs/sglang-plugin.md); combined with it
     by :func:`make_pool_class`, which also sets ``index_cache_cls``."""
 
     index_cache_cls: type  # the indexer-key cache class, set by make_pool_class

@@ -1,89 +1,35 @@
 """Partial-order reduction: a persistent set of one prefill rank's local steps (or of one quiet delivery
-into decode), explored alone.
+into decode), explored alone. Why it is sound: see docs/pd.md#why-the-partial-order-reduction-is-sound.
 
 **The set.** For prefill rank r, ``T_r(s)`` is every action enabled in s that *belongs* to r: a delivery
-into r (the head of decode->r, or a late duplicate to r), and r's own pending events — its forward pass
-finishing (``_computed``), its next batch post (``_post``), a restart, and its engine's events (a write
-landing, a batch failing or quiescing). The explorer expands ``T_r(s)`` instead of every enabled action
-when, for some r (the smallest such set is taken):
+into r (the head of decode->r, or a late duplicate to r), and r's own pending events (``_computed``,
+``_post``, a restart, its engine's events). It is expanded alone only when, for some r (the smallest such
+set is taken):
 
-1. **no fault can touch r** from s on: the fault budget is spent (``faults_used == faults``) or the kinds
-   allowed are only ``decode_restart`` (which changes decode alone, and the registry's decode-life counter,
-   which no prefill step reads). Faults share one budget, so a fault is dependent on every other fault;
-   with budget left, a crash / drop / fail / partition of r's parts could be taken by a path outside the
-   set and would not commute with r's steps;
-2. **every action of T_r(s) is local** to r: it reads and writes only r's process (book, queue, records,
-   source pages), the posting side of r's engine (new batches and write events: ``post`` reads no fence),
-   the head of the decode->r queue, the *tail* of the r->decode queue, ``floors_told`` of r and the
-   ``partitioned`` flag of r (read only). Concretely: deliveries into r and r's ``_computed`` / ``_post``,
-   and not a TransferRequest r might reject as late (that calls a tap that reads decode's request:
-   conservatively, any that is tombstoned or below max(r's floor, its own floor)). Not local: a write
-   landing (decode's page and page owner), a restart (the registry, hence decode), a heal (decode's sends);
-3. **the decode->r queue is not empty**. Its head delivery is then in T_r, and FIFO order means no other
-   message can be delivered into r (a reorder is a fault; late duplicates come only from a fault) by any
-   path that avoids T_r — a path outside T_r cannot start anything new on r.
+1. **no fault can touch r** from s on: the fault budget is spent, or the only kind allowed is
+   ``decode_restart`` (faults share one budget, so a fault is dependent on every other fault);
+2. **every action of T_r(s) is local** to r: deliveries into r and r's ``_computed`` / ``_post`` — not a
+   landing write (it reads decode's page owner), a restart (the registry), a heal (decode's sends), nor a
+   TransferRequest r might reject as late (the tap reads decode's request);
+3. **the decode->r queue is not empty** (its head is in T_r; FIFO order then keeps every other delivery
+   into r behind it).
 
-Then no action outside T_r, now or on any path from s that avoids T_r, is dependent on one in it: decode's
-steps touch decode, the registry, the fence of r's engine (which ``post`` does not read), and *push onto*
-decode->r or *pop* r->decode — a push and a pop of one FIFO commute and neither disables the other (nor, under
-the channel capacity, does the pop: it only makes room; r->decode is pushed by r alone); the other ranks'
-steps touch their own parts. Every shared counter the steps move (the event sequence, virtual time, page
-generations of another pool, channel statistics) is one the fingerprint ignores or names by appearance. So
-T_r(s) is **persistent** (Godefroid 1996, def. 4.1). It is also made of **owed** actions only.
+A delivery of the head of r->decode is **quiet** when decode's handler changes nothing the fingerprint
+holds and stays so on every path that does not take it (:func:`_quiet_into_decode` lists the cases);
+``{t}`` is expanded alone under condition 1 and only while the unreachable fence is off (its timer reads
+``heard``, which every delivery moves). It crosses requests.
 
-**What that preserves.**
+Invariants and hazards:
 
-* *Terminal states* (no owed action: the liveness checks ``held_for_ever``, ``leak``): a path from s to one
-  must take an action of T_r (each stays enabled and owed off T_r), and the first such one commutes to the
-  front, so by induction on the path's length every terminal state reachable is reached.
-* *Safety violations.* Take a path from s to a first bad state b. If it takes an action of T_r, commute the
-  first to the front (shorter remaining path). If not, t(b) is reached from t(s) by the same actions, for t
-  in T_r, and **t(b) is still bad**: the only violations a local step of r could repair are r's own
-  (``prefill_window`` of r — a higher floor prunes a record below it —, r's source pages' stale reads,
-  bad frees and free list, a pending write of r's engine reading a freed source page), and none of those
-  can change on a path that avoids T_r (no delivery into r, by 3; no write of r's engine pending, by 2,
-  and none posted but by r; no crash, by 1) — they were fine in s, which was checked. Every other
-  invariant reads what a local step of r does not write, except the pending writes it *adds* (which can
-  break ``freed_while_writing``, never mend it).
-  The remaining path then has the same length, but the **cycle proviso** bounds how long that can go on:
-  a reduced state's successors in T_r must all be one level deeper than it (new, or found already at that
-  level), otherwise it is fully expanded. Along every cycle of the explored graph the breadth-first depth
-  cannot only rise, so each cycle has an edge to a state no deeper than its source, and that source was
-  fully expanded (Bosnacki & Holzmann's proviso for breadth-first search). The sequence of states the
-  argument follows would cycle, and at the fully expanded one the path shortens.
-  An exception raised by the protocol's code is found the same way (an action independent of t raises
-  after t as before it).
-* An action whose result is pruned by the channel capacity is not enabled (the pruned graph is the one
-  checked), and persistence there needs every action of T_r enabled: the explorer then expands fully too.
-
-**A second kind of set: one quiet delivery into decode.** A delivery of the head of r->decode is *quiet*
-in s when decode's handler changes nothing the fingerprint holds — only statistics, and the
-Waiting -> Transferring step the fingerprint folds (every decision treats the two alike) — and stays quiet
-on every path from s that does not take it: a reply to an older decode life (lives only rise) or naming a
-peer it did not come from (the transport's identity); a reply for a room decode no longer holds (a room
-number never comes back) or holds as succeeded or failed (neither comes back to life); a TransferStarted
-for a request waiting or transferring;
-a TransferDone from a rank already done (``done_peers`` only grows) or from a non-owner (``told`` and the
-incarnations are fixed from the announce on); a TransferFailed from a non-owner; an AbortAck whose room is
-gone, not aborted (its future token is fresh), of another abort's token or from a rank no longer awaited
-(the token is set once, ``unacked`` only shrinks). ``{t}`` for such a t is persistent under condition 1
-(only a drop, duplicate, reorder or misaddress of r->decode reads its head; decode_restart turns the
-reply into an older life's, still quiet) and while the unreachable fence is off (its timer reads
-``heard``, which every delivery moves): every other action pushes onto a tail, pops another queue or
-touches another process, and commutes with t (the pop only makes room under the channel capacity).
-Terminal states are kept as above (t stays enabled and owed off the set), and so are violations: t
-changes no hashed state an invariant reads (the channel queues are read by none). Unlike ``T_r`` it
-crosses requests: a quiet reply for one room is ordered once against the other room's steps. Where the
-test leans on a guarded method (the transport's identity, ``owners-only``'s membership), it asks the
-method in force or gives up, so a guard switched off is checked as it behaves.
-
-**What it does not preserve: the shortest counterexample.** A violation found under the reduction may not
-be at the least depth (the reduced graph skips orders). The result says so (``shortest: false`` where a
-state was reduced); ``--shortest`` (or ``run_check(replace(bounds, por=False, max_depth=n))``) re-runs
-without it to that depth, which gives a breadth-first, hence shortest, trace.
-
-Any other pending event (a protocol step added later, e.g. the cluster's lease renewal) switches the
-reduction off in that state until its footprint is added here.
+* both sets come with the breadth-first cycle proviso: a reduced state's successors must all be one level
+  deeper, else the state is expanded fully; an action pruned by the channel capacity makes the set
+  incomplete, and the state is then expanded fully too;
+* the reduction keeps every violation and every terminal state, **not the shortest counterexample**: the
+  result says ``shortest: false`` where a state was reduced; ``--shortest`` re-runs without it;
+* where the quiet test leans on a guarded method (the transport's identity, ``owners-only``'s membership)
+  it asks the method in force, so a guard switched off is checked as it behaves;
+* any pending event the argument does not cover (a protocol step added later, e.g. the cluster's lease
+  renewal) switches the reduction off in that state until its footprint is added here and to the proof.
 
 ``unsound_quiet`` (tests only) takes every delivery into decode as quiet, which it is not (a TransferDone
 from an owner completes a request).
@@ -127,7 +73,7 @@ def unsound_quiet():
 
 
 def persistent_set(w, actions: list[tuple]) -> list[tuple] | None:
-    """A quiet delivery into decode, else the smallest ``T_r`` of the module docstring that is persistent in
+    """A quiet delivery into decode, else the smallest ``T_r`` (docs/pd.md, the soundness argument) that is persistent in
     ``w``; None: expand fully."""
     b = w.bounds
     if w.faults_used < b.faults and not set(b.fault_kinds) <= {"decode_restart"}:
@@ -147,7 +93,7 @@ def persistent_set(w, actions: list[tuple]) -> list[tuple] | None:
     return best if best is not None and len(best) < len(actions) else None
 
 
-# the pending events whose footprints the module docstring covers: decode's timers (decode, the registry, the
+# the pending events whose footprints the soundness argument covers (docs/pd.md): decode's timers (decode, the registry, the
 # fence of an engine, pushes onto decode->r), the router's submit, the registry's lease expiry, and the ranks'
 # own (prefill process and engine) events
 _DECODE_EVENTS = ("_resolve", "_timeout", "_poll", "send_aborts", "_finish", "_queue_timeout", "_suspect", "abort",
