@@ -45,7 +45,8 @@ def coverage(n: int, k: int) -> float:
     """Exact coverage of ``[x_(k), x_(n+1-k)]`` (1-based order statistics of n independent draws) for
     the median of a continuous distribution: ``1 - 2 P(Bin(n, 1/2) <= k - 1)``. E.g. n=3, k=1: 0.75;
     n=8, k=2: 1 - 2 * 9/256 = 0.9296875."""
-    assert 1 <= k <= (n + 1) // 2, f"expected 1 <= k <= {(n + 1) // 2}, got k={k} for n={n}"
+    if not 1 <= k <= (n + 1) // 2:  # a ValueError, not an assert: it must hold under python -O too
+        raise ValueError(f"k: expected 1 <= k <= {(n + 1) // 2} for n={n}, got {k}")
     return 1 - 2 * sum(math.comb(n, i) for i in range(k)) / 2**n
 
 

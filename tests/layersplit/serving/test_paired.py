@@ -233,3 +233,10 @@ def test_run_paired_interleaves_batches_and_alternates_the_lead(monkeypatch):
                      f"{ls}-1-0", f"{r}-1-0", f"{ls}-1-1", f"{r}-1-1", f"{r}-1-2"]
     seconds = {m: [[c.seconds for c in rep] for rep in out[m]] for m in out}  # the index of each run
     assert seconds == {r: [[2, 4, 6], [8, 10, 11]], ls: [[3, 5], [7, 9]]}
+
+
+def test_coverage_refuses_an_order_statistic_outside_the_sample():
+    with pytest.raises(ValueError, match=r"k: expected 1 <= k <= 4 for n=8, got 5"):
+        coverage(8, 5)
+    with pytest.raises(ValueError, match=r"k: expected 1 <= k <= 2 for n=3, got 0"):
+        coverage(3, 0)
