@@ -65,3 +65,15 @@ class Harness:
     def received(self, kind: type) -> list:
         """(time, message) of ``kind`` that reached decode."""
         return [(t, m) for t, m in self.to_decode if isinstance(m, kind)]
+
+    def close_epoch_zero(self) -> list:
+        """Two rooms, the first finished (epoch 0 closed) and the second's request carrying floor 1 to
+        prefill; returns the rooms prefill rejects as late from here on."""
+        rejected = []
+        self.prefill.on_late_reject = lambda rank, msg: rejected.append(msg.room)
+        self.decode.submit(rid=1, room=1, n_pages=1)
+        self.loop.run(until=0.6)  # room 1 done and finished: epoch 0 closed
+        self.decode.submit(rid=2, room=2, n_pages=1)  # its TransferRequest carries floor 1 to prefill
+        self.loop.run(until=0.7)
+        assert self.prefill.book.floor == 1
+        return rejected

@@ -37,15 +37,9 @@ def test_old_life_writes_in_flight_never_land_on_the_new_life(guarded):
 
 @pytest.mark.parametrize("guarded", [True, False], ids=["guarded", "floor-per-decode-life_off"])
 def test_new_life_requests_are_not_rejected_as_late(guarded):
-    rejected = []
     with guards_off([] if guarded else ["floor-per-decode-life"]):
         h = Harness()
-        h.prefill.on_late_reject = lambda rank, msg: rejected.append(msg.room)
-        h.decode.submit(rid=1, room=1, n_pages=1)
-        h.loop.run(until=0.6)  # room 1 done and finished: epoch 0 closed
-        h.decode.submit(rid=2, room=2, n_pages=1)  # its TransferRequest carries floor 1 to prefill
-        h.loop.run(until=0.7)
-        assert h.prefill.book.floor == 1
+        rejected = h.close_epoch_zero()
         h.decode.restart()
         third = h.decode.submit(rid=3, room=3, n_pages=1)  # the new life: epoch 0 again
         h.loop.run()

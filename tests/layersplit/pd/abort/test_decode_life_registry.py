@@ -87,14 +87,8 @@ def test_old_life_writes_in_flight_never_land_on_a_fresh_process(lives):
 
 
 def test_a_fresh_process_requests_are_not_rejected_as_late(lives):
-    rejected = []
     h = Harness()
-    h.prefill.on_late_reject = lambda rank, msg: rejected.append(msg.room)
-    h.decode.submit(rid=1, room=1, n_pages=1)
-    h.loop.run(until=0.6)  # room 1 done and finished: epoch 0 closed
-    h.decode.submit(rid=2, room=2, n_pages=1)  # its TransferRequest carries floor 1 to prefill
-    h.loop.run(until=0.7)
-    assert h.prefill.book.floor == 1
+    rejected = h.close_epoch_zero()
     third = _fresh_decode(h).submit(rid=3, room=3, n_pages=1)  # the fresh process: epoch 0 again
     h.loop.run()
     assert third.epoch == 0
