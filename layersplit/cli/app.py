@@ -71,7 +71,6 @@ def run(parser: argparse.ArgumentParser, argv: list[str] | None, prog: str) -> i
     if threading.current_thread() is threading.main_thread():
         previous = signal.signal(signal.SIGTERM, _on_sigterm)
     try:
-        options.check_aliases(parser, sys.argv[1:] if argv is None else list(argv), args)
         envs.check_all()  # every LAYERSPLIT_* variable, here in the parent, before anything is spawned
         if getattr(args, "machine_env", False):
             resources.check_machine_env()

@@ -1,6 +1,8 @@
-"""Argument types shared by every subcommand: each rejects a bad value at parse time with a message
-that argparse prefixes with the subcommand and the flag (``layersplit prefill: error: argument
---hit: expected a number in [0, 1), got 1.0``), before any work starts."""
+"""The parser and argument types shared by every subcommand (and the maintainers' tools): each rejects a
+bad value at parse time with one line that argparse prefixes with the subcommand and the flag
+(``layersplit prefill: error: argument --hit: expected a number in [0, 1), got 1.0``), and :class:`Parser`
+refuses a flag given twice with different values (``argument --cp: given twice (2, then 4): give it
+once``), before any work starts."""
 
 from __future__ import annotations
 
@@ -14,10 +16,50 @@ from pathlib import Path
 
 class Parser(argparse.ArgumentParser):
     """argparse's parser, whose usage errors are the one line every other bad input is: ``PROG: error: ...``
-    (argparse prints its usage block first; ``--help`` still shows it). Subcommands inherit the class."""
+    (argparse prints its usage block first; ``--help`` still shows it), and which refuses one setting given
+    two different values (:class:`_StoreOnce`) where argparse keeps the last without a word. Subcommands
+    inherit the class (``add_subparsers`` makes each subparser one)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.register("action", None, _StoreOnce)  # every flag that takes a value; append / count still repeat
+        self.register("action", "store", _StoreOnce)
+        self.given: dict[str, tuple[str, object, int]] = {}
+
+    def parse_known_args(self, args=None, namespace=None):
+        self.given = {}  # dest -> (the spelling first given, its parsed value, times given), for this parse only
+        return super().parse_known_args(args, namespace)
 
     def error(self, message: str):
         self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+class _StoreOnce(argparse._StoreAction):
+    """argparse's ``store`` that refuses a second, different value of its setting: the same flag twice
+    (``--cp 2 --cp 4``) or two spellings of it (``--kv-dtype bf16 --kv-cache-dtype fp8_e4m3``, a hidden old
+    name beside the new one). Values are compared as parsed, so a repeat that agrees (``--kv-dtype fp8
+    --kv-cache-dtype fp8_e4m3``, ``--cp 2 --cp 2``) drops nothing and is taken."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        if option_string is not None:  # a positional is given once by construction
+            assert isinstance(parser, Parser), f"expected an options.Parser, got {type(parser).__name__}"
+            spelling, first, times = parser.given.get(self.dest, (option_string, values, 0))
+            parser.given[self.dest] = (spelling, first, times + 1)
+            if first != values:
+                raise argparse.ArgumentError(None, _given_again(spelling, first, option_string, values, times + 1))
+        super().__call__(parser, namespace, values, option_string)
+
+
+def _given_again(spelling: str, first, again: str, value, times: int) -> str:
+    if spelling == again:
+        count = "twice" if times == 2 else f"{times} times"
+        return f"argument {again}: given {count} ({_shown(first)}, then {_shown(value)}): give it once"
+    return (f"{spelling}/{again}: expected one value for one setting, got {spelling} {_shown(first)} and {again} "
+            f"{_shown(value)}; give one of them")
+
+
+def _shown(value) -> str:
+    return repr(str(value)) if isinstance(value, (str, Path)) else str(value)
 
 
 def int_at_least(low: int, high: int | None = None):
@@ -157,49 +199,3 @@ def stage_printer(command: str):
         print(f"layersplit {command}: {stage}... ({time.perf_counter() - start:.1f} s)", file=sys.stderr, flush=True)
 
     return say
-
-
-def check_aliases(parser: argparse.ArgumentParser, argv: list[str], args: argparse.Namespace) -> None:
-    """Refuse two spellings of one setting given different values (``--kv-dtype bf16 --kv-cache-dtype fp8_e4m3``,
-    a hidden old name beside the new one): argparse keeps the last and drops the other without a word. The
-    values are compared as parsed (``--kv-dtype fp8`` and ``--kv-cache-dtype fp8_e4m3`` agree)."""
-    parser = _chosen_parser(parser, args)
-    seen: dict[str, tuple[str, object]] = {}  # dest -> (the spelling first given, its parsed value)
-    tokens = iter(argv[:argv.index("--")] if "--" in argv else argv)
-    for token in tokens:
-        flag, eq, text = token.partition("=")
-        action = _option(parser, flag) if token.startswith("--") else None
-        if action is None or action.nargs is not None or not isinstance(action, argparse._StoreAction):
-            continue  # flags without a value, and repeatable ones, cannot disagree
-        if not eq:
-            text = next(tokens, "")
-        try:
-            value = action.type(text) if callable(action.type) else text
-        except (argparse.ArgumentTypeError, TypeError, ValueError):
-            continue  # argparse accepted the line, so this was not the flag's value after all
-        spelling = next(o for o in action.option_strings if o.startswith(flag))
-        first = seen.setdefault(action.dest, (spelling, value))
-        if first[0] != spelling and first[1] != value:
-            raise ValueError(f"{first[0]}/{spelling}: expected one value for one setting, got {first[0]} "
-                             f"{_shown(first[1])} and {spelling} {_shown(value)}; give one of them")
-
-
-def _shown(value) -> str:
-    return repr(value) if isinstance(value, str) else str(value)
-
-
-def _chosen_parser(parser: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.ArgumentParser:
-    """The (sub)parser whose flags this command line used: down through each subcommand chosen."""
-    while True:
-        sub = next((a for a in parser._actions if isinstance(a, argparse._SubParsersAction)), None)
-        if sub is None or getattr(args, sub.dest, None) not in sub.choices:
-            return parser
-        parser = sub.choices[getattr(args, sub.dest)]
-
-
-def _option(parser: argparse.ArgumentParser, flag: str) -> argparse.Action | None:
-    """The action ``flag`` names in ``parser``: exactly, or as argparse's unique prefix."""
-    if flag in parser._option_string_actions:
-        return parser._option_string_actions[flag]
-    found = {a for o, a in parser._option_string_actions.items() if o.startswith(flag)}
-    return found.pop() if len(found) == 1 else None

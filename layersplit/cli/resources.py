@@ -3,13 +3,18 @@
 * :func:`check_machine_env`: the ``LAYERSPLIT_*`` variables this machine cannot honour (NCCL without CUDA,
   Triton on a CPU without its interpreter), for the commands that run kernels or CP ranks here;
 * :func:`check_storm_fits`: a long ``stress pd`` storm's memory and run time, from a short measurement;
-* :func:`eta_printer`: a long run's expected duration, said once on stderr after its first seconds.
+* :func:`eta_printer`: a long run's expected duration, said once on stderr after its first seconds;
+* :func:`check_gpu_fits` / :func:`check_sweep_gpu_fits`: where the rank processes would run on CUDA, each
+  GPU's free memory (:func:`gpu_free_bytes`, the seam a CPU test replaces) against the ranks placed on it.
 
-The sweep's measured engine is sized from its config (:func:`layersplit.api.check_fits`).
+The sweep's measured engine is sized from its config: host memory by :func:`layersplit.api.check_fits`,
+device memory by :func:`check_sweep_gpu_fits`.
 """
 
 from __future__ import annotations
 
+import json
+import subprocess
 import sys
 import time
 
@@ -90,3 +95,60 @@ def check_storm_fits(cfg, run_pd_stress) -> None:
                          "(80% usable); run several seeds (--seed) of fewer requests instead")
     print(f"layersplit stress pd: about {duration(cfg.requests * per_s)} and {need / 2**30:,.1f} GiB for "
           f"{cfg.requests:,} requests (measured on {STORM_MEASURED}); Ctrl-C stops it", file=sys.stderr, flush=True)
+
+
+# a child reads the free memory: torch.cuda.mem_get_info in this process would create a CUDA context on every
+# device it asks about and keep it for the whole run (memory the ranks then lack; under the exclusive-process
+# compute mode, a device they cannot open at all)
+_FREE_BYTES = ("import json, sys, torch; "
+               "print(json.dumps([torch.cuda.mem_get_info(d)[0] for d in range(int(sys.argv[1]))]))")
+
+
+def gpu_free_bytes(ranks: int) -> list[int] | None:
+    """Free bytes of each CUDA device ``ranks`` rank processes would use (rank r on device ``r % count``, as
+    :mod:`layersplit.engine.rank_worker` places them), or None where they run on the CPU or the probe fails
+    (nothing to compare then: the ranks' own allocations say it). The seam tests replace."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    devices = min(ranks, torch.cuda.device_count())
+    try:
+        probe = subprocess.run([sys.executable, "-c", _FREE_BYTES, str(devices)], capture_output=True, text=True,
+                               timeout=120, check=True)
+        return [int(b) for b in json.loads(probe.stdout.strip().splitlines()[-1])]
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError):
+        return None
+
+
+def check_gpu_fits(ranks: int, rank_bytes: int, what: str, fix: str) -> None:
+    """Refuse, before any rank starts, ``ranks`` processes of ``rank_bytes`` device bytes each (``what``: what
+    those bytes are) where the GPUs they would share round-robin have less free; ``fix``: what to run instead."""
+    free = gpu_free_bytes(ranks)
+    for device, have in enumerate(free or ()):
+        sharing = len(range(device, ranks, len(free)))  # ranks device, device + count, ...
+        if sharing * rank_bytes > have:
+            placed = f"{sharing} ranks share cuda:{device}" if sharing > 1 else f"one rank on cuda:{device}"
+            raise ValueError(f"each of {ranks} rank processes needs about {size(rank_bytes)} on its GPU ({what}); "
+                             f"{placed}, which has {size(have)} free; {fix}")
+
+
+def size(nbytes: float) -> str:
+    """``nbytes`` in GiB, or MiB below one GiB (a tiny model's pool reads 0.0 GiB otherwise)."""
+    return f"{nbytes / 2**30:,.1f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:,.1f} MiB"
+
+
+def check_sweep_gpu_fits(cfg, fix: str) -> None:
+    """The measured sweep's device memory per rank, from its config (the arithmetic of
+    :func:`layersplit.api.check_fits`, whose host tier stays in host memory): the engine's fp32 weights and
+    a pool of every layer for the largest batch (a LayerSplit rank holds fewer layers: a bound)."""
+    from dsa_kernels.layout import PAGE_SIZE
+    from layersplit.engine.prefill import cache_bytes, weight_bytes
+    from layersplit.plan.config import load_model
+
+    model = load_model(cfg.model)
+    batch_tokens = max(cfg.scaled(cfg.max_batch_context), cfg.scaled(max(cfg.lengths)))  # one request always fits
+    pages = -(-batch_tokens // PAGE_SIZE) + cfg.max_batch_requests  # each request may end in a partial page
+    weights, pool = weight_bytes(model), cache_bytes(model, pages, cfg.kv_dtype)
+    check_gpu_fits(cfg.cp, weights + pool, f"{model.name}'s fp32 weights, {size(weights)}, and a KV pool of "
+                   f"{size(pool)} ({cfg.kv_dtype}) for a batch of {batch_tokens:,} tokens", fix)

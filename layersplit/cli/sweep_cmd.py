@@ -32,7 +32,7 @@ def run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from layersplit.api import check_fits, check_out, sweep
-    from layersplit.serving.sweep import modes_of
+    from layersplit.serving.sweep import point_count
     from layersplit.serving.sweep_config import load_sweep
 
     name = ("glm5-h200" if args.engine == "model" else "cpu") if args.config is None else args.config
@@ -45,8 +45,12 @@ def run(args: argparse.Namespace) -> int:
         cfg = replace(cfg, engine=args.engine)
     if cfg.engine == "real":  # resources before work: the rank processes' memory, the kernels' environment
         resources.check_machine_env()
+        fix = "use --engine model (modelled)"
+        if cfg.name != "cpu":
+            fix += " or --config cpu (the tiny model, measured)"
         try:
-            check_fits(cfg, "use --engine model (modelled) or --config cpu (the tiny model, measured)")
+            check_fits(cfg, fix)  # host memory; then, where the ranks run on CUDA, each GPU's free memory
+            resources.check_sweep_gpu_fits(cfg, f"{fix}, or set CUDA_VISIBLE_DEVICES= to run the ranks on the CPU")
         except ValueError as exc:
             given = f"--engine real with --config {name}" if args.engine else f"--config {name} (engine: real)"
             raise ValueError(f"{given}: {exc}") from None
@@ -56,7 +60,7 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         raise ValueError(f"--out: {exc}") from None
     start = time.perf_counter()
-    with tqdm(total=len(modes_of(cfg)) * len(cfg.lengths), unit="point", leave=False) as bar:
+    with tqdm(total=point_count(cfg), unit="point", leave=False) as bar:
         points = sweep(name, engine=args.engine, out=out, progress=bar.update, force=args.force)  # grows per length
     del points  # written to --out; printed from there
     paths = {"jsonl": out / "points.jsonl", "table": out / "table.md", "plot": out / "throughput.png"}

@@ -40,7 +40,7 @@ def _at(cfg: SweepConfig, axis: str, value: float) -> SweepConfig:
 
 
 def map_rows(cfg: SweepConfig, axis: str, values: list[float], progress=None) -> list[dict]:
-    """One row per (axis value, KV dtype, length): layersplit's tokens/s, its gain over each other
+    """One row per (axis value, KV dtype, length): layersplit's request tokens/s, its gain over each other
     layout (%) and over the best available peer (``gain_vs_best_available_peer``, which it names)."""
     rows = []
     for value in values:
@@ -51,7 +51,7 @@ def map_rows(cfg: SweepConfig, axis: str, values: list[float], progress=None) ->
                       if p["length"] == length and p.get("kv_dtype", cfg.kv_dtype) == dtype}
                 ours = at["layersplit"]["request_tokens_per_s"]
                 row = {axis: value, "length": length, "kv_dtype": dtype, "kind": at["layersplit"]["kind"],
-                       "layersplit_tokens_per_s": ours, BEST: at["layersplit"].get(BEST),
+                       "layersplit_request_tokens_per_s": ours, BEST: at["layersplit"].get(BEST),
                        f"gain_vs_{BEST}": at["layersplit"].get(f"gain_vs_{BEST}")}
                 for peer, _ in COMPARE:
                     if peer in at:

@@ -94,10 +94,11 @@ def spans_zero(gain: dict) -> bool:
 
 
 def counted(point: dict, cost: CostModel, batches) -> dict:
-    """The counted columns of a measured point (engine-independent)."""
+    """The counted columns of a measured point (engine-independent): the prefix tokens the run recomputed
+    (all ranks together), and the most bytes one rank must reload ahead of an even pace in any batch."""
     reload_rows = [sum(-(-s.req.prefix // 64) * 64 for s in b.served if s.tier == "L2") for b in batches]
-    point["recomputed_tokens"] = sum(s.req.prefix for b in batches for s in b.served if s.tier == "miss")
-    point["reload_ahead_bytes"] = max((cost.reload_ahead(r) for r in reload_rows), default=0)
+    point["recomputed_tokens_per_run"] = sum(s.req.prefix for b in batches for s in b.served if s.tier == "miss")
+    point["reload_ahead_bytes_per_rank"] = max((cost.reload_ahead(r) for r in reload_rows), default=0)
     return point
 
 
@@ -116,7 +117,7 @@ def _gain_cell(p: dict) -> str:
 
 
 def _ratio_of_medians(points: list[dict]) -> str:
-    """Per length, each non-base mode's ratio of the tok/s medians (what the tok/s column implies)."""
+    """Per length, each non-base mode's ratio of the request tokens/s medians (what that column implies)."""
     base = {p["length"]: p["request_tokens_per_s"] for p in points if p["mode"] == "redundant"}
     return ", ".join(f"{p['mode']} {_pct(100 * (p['request_tokens_per_s'] / base[p['length']] - 1))}% at "
                      f"{p['length'] // 1000}k" for p in points if p["mode"] != "redundant")
@@ -133,17 +134,21 @@ def table(points: list[dict], cfg) -> str:
              f"{level:.2%} confidence interval for that median (the ratios' order statistics {k} and {n + 1 - k} "
              f"of {n}; coverage 1 - 2 P(Bin({n}, 1/2) <= {k - 1}), exact for any continuous distribution); "
              f"\"(interval spans 0)\" marks a gain not told apart from noise.", "",
-             f"`req tok/s` is each mode's own median over its {n} repeats, a different statistic: the ratio of "
-             f"two such medians compares numbers from different repeats, so load that slowed one repeat of both "
-             f"modes does not cancel in it as it does in a paired ratio. Here it reads "
-             f"{_ratio_of_medians(points)}; where it differs from the gain, read the gain.", "",
-             "| length | mode | KV/rank (MB) | L1 tokens/rank | L1 | L2 | miss | reloaded/rank (MB) | broadcast (MB) "
-             f"| recomputed tokens | reload ahead/rank (MB) | req tok/s (measured, median of {n}) | gain vs redundant "
+             f"`request tokens/s` (all context tokens of the requests, cached and new, per second) is each mode's "
+             f"own median over its {n} repeats, a different statistic: the ratio of two such medians compares "
+             f"numbers from different repeats, so load that slowed one repeat of both modes does not cancel in it "
+             f"as it does in a paired ratio. Here it reads {_ratio_of_medians(points)}; where it differs from the "
+             f"gain, read the gain.", "",
+             "A `/rank` column is one rank's (bytes moved: its total over the run), a `/run` column the whole "
+             "run's (every rank together).", "",
+             "| length | mode | KV/rank (MB) | L1 tokens/rank | L1 | L2 | miss | reloaded/rank (MB) "
+             f"| broadcast/rank (MB) | recomputed tokens/run | reload ahead/rank (MB) "
+             f"| request tokens/s (measured, median of {n}) | gain vs redundant "
              f"(measured, median of {n} paired ratios [{level:.2%} CI]) |", "|---" * 13 + "|"]
     for p in points:
         lines.append(f"| {p['length'] // 1000}k | {p['mode']} | {p['kv_bytes_per_rank'] / 1e6:.2f} "
                      f"| {p['l1_tokens_per_rank']:,} | {p['hit_L1']:.0%} | {p['hit_L2']:.0%} | {p['miss']:.0%} "
-                     f"| {p['reload_bytes_per_rank'] / 1e6:.2f} | {p['bcast_bytes'] / 1e6:.2f} "
-                     f"| {p['recomputed_tokens']:,} | {p['reload_ahead_bytes'] / 1e6:.3f} "
+                     f"| {p['reload_bytes_per_rank'] / 1e6:.2f} | {p['bcast_bytes_per_rank'] / 1e6:.2f} "
+                     f"| {p['recomputed_tokens_per_run']:,} | {p['reload_ahead_bytes_per_rank'] / 1e6:.3f} "
                      f"| {math.floor(p['request_tokens_per_s']):,} | {_gain_cell(p)} |")
     return "\n".join(lines) + "\n"

@@ -81,19 +81,29 @@ def aggregate(length: int, mode: str, mb, cap, loop, batches, costs, measured: b
         "hit_L1": hit["L1"], "hit_L2": hit["L2"], "miss": hit["miss"], "batches": len(batches),
         "requests": sum(len(b.served) for b in batches), "seconds": seconds,
         "reload_bytes_per_rank": sum(x.reload_bytes_per_rank for x in costs),
-        "bcast_bytes": sum(x.bcast_bytes for x in costs), "exposed_comm_s": sum(x.exposed_comm_s for x in costs),
+        "bcast_bytes_per_rank": sum(x.bcast_bytes for x in costs),  # what each receiving rank receives
+        "exposed_comm_s": sum(x.exposed_comm_s for x in costs),
         # the breakdown is the cost model's; the measured engine times waits for broadcasts only
         "exposed_reload_s": None if measured else sum(x.exposed_reload_s for x in costs),
         "recompute_s": None if measured else sum(x.recompute_s for x in costs),
         "compute_s": None if measured else sum(x.compute_s for x in costs),
         "l1_tokens_per_rank": cap.l1_tokens, "l2_tokens_per_rank": cap.l2_tokens,
         "kv_bytes_per_rank": cap.l1_tokens * mb.bytes_per_token + mb.scratch_bytes,
-        "peak_l1_tokens": loop.peak_l1, "batch_sizes": [len(b.served) for b in batches],
+        "peak_l1_tokens_per_rank": loop.peak_l1, "batch_sizes": [len(b.served) for b in batches],
     }
 
 
 def modes_of(cfg: SweepConfig) -> tuple[str, ...]:
     return REAL_MODES if cfg.engine == "real" else MODES
+
+
+def point_count(cfg: SweepConfig, modes: tuple[str, ...] | None = None) -> int:
+    """The points :func:`run_sweep` yields for ``cfg`` (what its progress counts): per length every mode, and
+    with the model engine every KV dtype's modes (KV sharding as shipped: fp8 only); the measured engine
+    runs the first KV dtype."""
+    modes = modes or modes_of(cfg)
+    dtypes = cfg.kv_dtypes if cfg.engine == "model" else (cfg.kv_dtype,)
+    return len(cfg.lengths) * sum(len(modes_at(modes, dtype)) for dtype in dtypes)
 
 
 def _engine(s: Setup, modes: tuple[str, ...]):
@@ -112,12 +122,11 @@ def add_gains(points: list[dict]) -> None:
     """``gain_vs_redundant`` / ``gain_vs_upstream`` / ``gain_vs_kv_sharding`` (percent, request
     tokens/s) of every point of one length; ``gain_pct`` is the first (kept for scripts that read it).
     A measured point's gain over redundant is its paired statistic (``paired_gain``: the median of the
-    per-repeat ratios, :mod:`.paired`), within noise where that interval spans 0; a modelled point's is
-    the ratio of the two points' tokens/s."""
+    per-repeat ratios, :mod:`.paired`), ``gain_within_noise`` where that interval spans 0; a modelled
+    point's is the ratio of the two points' request tokens/s (one deterministic run: no noise to be within)."""
     from layersplit.serving.paired import spans_zero
 
     by_mode = {p["mode"]: p["request_tokens_per_s"] for p in points}
-    spread = {p["mode"]: p.get("spread_pct", 0.0) for p in points}
     for p in points:
         p["gain_vs_redundant"] = p["gain_pct"] = 100 * (p["request_tokens_per_s"] / by_mode["redundant"] - 1)
         for key, peer in (("gain_vs_upstream", "upstream-layersplit"), ("gain_vs_kv_sharding", "kv-sharding")):
@@ -125,10 +134,6 @@ def add_gains(points: list[dict]) -> None:
         if "paired_gain" in p:  # the paired median, not the ratio of two modes' medians, is the measured gain
             p["gain_vs_redundant"] = p["gain_pct"] = p["paired_gain"]["median"]
             p["gain_within_noise"] = p["mode"] != "redundant" and spans_zero(p["paired_gain"])
-            continue
-        # repeats disagree by more than the gain: the gain is within the noise of this machine
-        p["gain_within_noise"] = p.get("repeats", 1) > 1 and p["mode"] != "redundant" and (
-            spread[p["mode"]] + spread["redundant"] >= abs(p["gain_vs_redundant"]))
 
 
 def run_sweep(cfg: SweepConfig, progress=None, on_length=None, hw=None, eff: Efficiency | None = None,
@@ -150,14 +155,9 @@ def run_sweep(cfg: SweepConfig, progress=None, on_length=None, hw=None, eff: Eff
             group = []
             for mode in modes_at(modes, dtype):  # KV sharding as shipped: fp8 rows only
                 mb, cap, loop, batches = plan_point(at, length, mode)
-                runs = engine.run(batches, mode, cfg.repeats)
-                totals = [sum(x.seconds for x in costs) for costs in runs]
-                median = sorted(range(len(runs)), key=totals.__getitem__)[len(runs) // 2]
-                point = aggregate(length, mode, mb, cap, loop, batches, runs[median], engine.measured,
-                                  1 - cfg.new_fraction)
-                point["repeats"], point["seconds_runs"], point["kv_dtype"] = len(runs), totals, dtype
-                point["spread_pct"] = 100 * (max(totals) - min(totals)) / totals[median]
-                point["owner_wait_s"] = sum(x.owner_wait_s for x in runs[median])
+                (costs,) = engine.run(batches, mode)  # the model is deterministic: one run, no spread to report
+                point = aggregate(length, mode, mb, cap, loop, batches, costs, engine.measured, 1 - cfg.new_fraction)
+                point["kv_dtype"], point["owner_wait_s"] = dtype, sum(x.owner_wait_s for x in costs)
                 group.append(point)
                 if progress:
                     progress(1)
@@ -228,9 +228,13 @@ def _s(x, digits: int = 2) -> str:
     return "-" if x is None else f"{x:.{digits}f}"
 
 
-_HEADER = ("| length | mode | runs on {hw} | req tok/s | reusable | L1 | L2 | miss | reloaded/rank (GB) | broadcast (GB) "
-           "| compute (s) | recompute (s) | exposed reload (s) | exposed bcast (s) | KV/rank (GB) | L1 tokens/rank "
-           "| batches | spread | vs redundant | vs upstream split | vs kv-sharding | vs best peer |")
+# one statistic per column: counts per rank (/rank; bytes moved: one rank's total over the run) or per run
+# (/run), counted by the serving loop; rates and times as priced by the cost model (one deterministic run: no
+# spread, no repeats)
+_HEADER = ("| length | mode | runs on {hw} | request tokens/s (modelled) | reusable | L1 | L2 | miss "
+           "| reloaded/rank (GB) | broadcast/rank (GB) | compute (s, modelled) | recompute (s, modelled) "
+           "| exposed reload (s, modelled) | exposed bcast (s, modelled) | KV/rank (GB) | L1 tokens/rank | batches/run "
+           "| vs redundant | vs upstream split | vs kv-sharding | vs best peer |")
 _RUNS = {"design": "design bar", "ours": "ours"}
 
 
@@ -238,11 +242,10 @@ def _row(p: dict) -> str:
     runs = _RUNS.get(p.get("role"), "**not available**" if p.get("not_available") else "yes")
     return (f"| {p['length'] // 1000}k | {p['mode']} | {runs} | {p['request_tokens_per_s']:,.0f} "
             f"| {p['reusable_fraction']:.0%} | {p['hit_L1']:.0%} | {p['hit_L2']:.0%} | {p['miss']:.0%} "
-            f"| {p['reload_bytes_per_rank'] / 1e9:.3f} | {p['bcast_bytes'] / 1e9:.3f} | {_s(p['compute_s'])} "
+            f"| {p['reload_bytes_per_rank'] / 1e9:.3f} | {p['bcast_bytes_per_rank'] / 1e9:.3f} | {_s(p['compute_s'])} "
             f"| {_s(p['recompute_s'])} | {_s(p['exposed_reload_s'], 3)} | {p['exposed_comm_s']:.3f} "
             f"| {p['kv_bytes_per_rank'] / 1e9:.3f} | {p['l1_tokens_per_rank']:,} | {p['batches']} "
-            f"| {p['spread_pct']:.0f}% of {p['repeats']} | {_pct(p['gain_vs_redundant'])}"
-            f"{' (within noise)' if p['gain_within_noise'] else ''} | {_pct(p['gain_vs_upstream'])} "
+            f"| {_pct(p['gain_vs_redundant'])} | {_pct(p['gain_vs_upstream'])} "
             f"| {_pct(p.get('gain_vs_kv_sharding'))} | {_pct(p.get('gain_vs_best_available_peer'))} |")
 
 
@@ -279,8 +282,11 @@ def table(points: list[dict], cfg: SweepConfig) -> str:
              f"(**{kind}**{scale}); {cfg.sessions} sessions, {cfg.requests} requests, "
              f"{cfg.host_bytes_per_rank / 1e9:g} GB host tier per GPU. `reusable` is the workload's reusable "
              f"share of each request; L1 / L2 / miss are the shares of those prefix tokens each mode found "
-             f"resident, reloaded from host, or recomputed (counted by the serving loop). `broadcast` is what a "
-             f"rank receives for the history (query-moving: the queries into and outputs out of each layer's owner).",
+             f"resident, reloaded from host, or recomputed (counted by the serving loop). A `/rank` column is one "
+             f"rank's (bytes moved: its total over the run), a `/run` column the whole run's (every rank "
+             f"together). `broadcast/rank` is what a rank receives for the history (query-moving: the queries "
+             f"into and outputs out of each layer's owner). `request tokens/s` counts all context tokens of the "
+             f"requests (cached and new) per second; the gains compare it.",
              "", f"Layouts: **peers** are what SGLang 0.5.23 runs ({', '.join(peers)}); a **design bar** is modelled "
                  f"from a description and is never the peer to beat (kv-sharding: SGLang's page-level sharding with "
                  f"batch-sized scratch at any KV dtype; query-moving: arXiv 2606.01502, moving queries to each "
@@ -292,15 +298,11 @@ def table(points: list[dict], cfg: SweepConfig) -> str:
                       f"design bar, never the peer to beat on {cfg.hardware}.", ""]
     for dtype in cfg.kv_dtypes:
         lines += _block(points, cfg, dtype)
-    noisy = [p for p in points if p["gain_within_noise"]]
-    if noisy:
-        lines += [f"**Warning**: at {', '.join(f'{n // 1000}k' for n in sorted({p['length'] for p in noisy}))} the spread of "
-                  f"the repeats (max - min over the median) is at least the gain: do not read a gain there."]
     return "\n".join(lines).rstrip("\n") + "\n"
 
 
 def plot(points: list[dict], cfg: SweepConfig, path: Path) -> None:
-    """Tokens/s per mode and the gain over redundant CP. Measured points draw the gain's interval as
+    """Request tokens/s per mode and the gain over redundant CP. Measured points draw the gain's interval as
     error bars and nothing else (the seed's published GLM-5 / H200 gains are not on this machine's
     axes); modelled points are drawn beside the seed's two gains."""
     import matplotlib

@@ -36,14 +36,12 @@ PROBES = {
 }
 
 
-
-
 def main(argv: list[str] | None = None) -> int:
     return app.run(build_parser(), argv, PROG)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
+    parser = options.Parser(prog=PROG, description=__doc__.split("\n\n")[0])  # usage errors: one line
     sub = parser.add_subparsers(dest="command", required=True)
     storm = sub.add_parser("storm", help="the abort storm on real processes (Mooncake TCP, ZMQ, signals)")
     stress_cmd.add_pd_arguments(storm, options.int_at_least)
@@ -82,8 +80,8 @@ def run_storm(args: argparse.Namespace) -> int:
 
     try:
         import_engine()
-    except ImportError as exc:
-        raise SystemExit(f"{PROG} storm: {exc}") from None
+    except ImportError as exc:  # a missing dependency is refused like any bad input: one line, exit 2
+        raise ValueError(str(exc)) from None
     from tools.pd_real.process import RealRun
     from tools.pd_real.storm import StormFaults, failures, run_real_storm
 

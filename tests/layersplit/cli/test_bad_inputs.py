@@ -3,14 +3,17 @@ line on stderr, ``PROG: error: ...``, naming the flag, variable, file or field t
 is spawned, computed or written, and without a traceback; a result that cannot be saved is printed first;
 a run that checked nothing or could not replay does not exit 0.
 
-Each row of ``CASES``: an id, the command line (``layersplit`` or ``python -m tools.pd_check``), the
-environment, the exit status and a fragment of the first line on stderr. ``{in}`` in an argument is a folder
+Each row of ``CASES``: an id, the command line (``layersplit``, ``python -m tools.pd_check``, ``python -m
+tools.pd_real`` or ``python benchmarks/gpu_check.py``), the environment, the exit status and a fragment of
+the first line on stderr. ``{in}`` in an argument is a folder
 of prepared inputs (``_inputs``); the command runs from an empty folder that must stay empty. Rows run
-in-process (``main(argv)``); ``SUBPROCESS`` runs a few as a user does, where the environment is read by a
+in-process (``main(argv)``) on the same pretend machine (``MACHINE``); ``SUBPROCESS`` runs a few as a user does, where the environment is read by a
 fresh interpreter and its rank processes, and one SIGTERM."""
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 import json
 import os
 import signal
@@ -26,6 +29,7 @@ import yaml
 from layersplit.cli import app, resources
 from tests.paths import ROOT
 from tools.pd_check import cli as pd_check_cli
+from tools.pd_real import cli as pd_real_cli
 
 CUDA = torch.cuda.is_available()
 PLAN = ["plan", "--model", "glm-5", "--cp", "8", "--hardware", "h200"]
@@ -33,6 +37,11 @@ PREFILL = ["prefill", "--cp", "2", "--mode", "layersplit", "--context-len", "64"
 SMALL = ["--prefill-ranks", "1", "--requests", "1", "--faults", "0", "--cancels", "0", "--retries", "0",
          "--polls", "0", "--channel-capacity", "1"]  # a pd_check search of a second or two
 PD = "python -m tools.pd_check"
+PD_REAL = "python -m tools.pd_real"
+GPU_SCRIPT = "python benchmarks/gpu_check.py"
+# every row runs on this pretend machine: host memory (what the prefill and sweep engines check) and one GPU
+# with the free memory the sweep's rank check reads (too little for the CPU sweep's 28.5 MiB a rank)
+MACHINE = {"host_bytes": 16 * 2**30, "gpu_free_bytes": [24 * 2**20]}
 LONG = "n" * 300
 
 
@@ -66,6 +75,10 @@ CASES = [
     # 1. resources before work
     ("sweep-real-glm5", ["sweep", "--config", "glm5-h200", "--engine", "real"], {}, 2,
      "layersplit sweep: error: --engine real with --config glm5-h200: the CP engine keeps glm-5's weights in fp32"),
+    ("sweep-real-gpu-full", ["sweep", "--engine", "real", "--out", "out"], {}, 2,
+     "layersplit sweep: error: --engine real with --config cpu: each of 2 rank processes needs about 28.5 MiB on its "
+     "GPU (tiny's fp32 weights, 18.2 MiB, and a KV pool of 10.3 MiB (bf16) for a batch of 4,096 tokens); 2 ranks "
+     "share cuda:0, which has 24.0 MiB free; use --engine model (modelled), or set CUDA_VISIBLE_DEVICES="),
     ("stress-pd-huge", ["stress", "pd", "--requests", "100000000"], {}, 2,
      "layersplit stress pd: error: --requests: expected <= "),
     # 2. output paths, checked up front
@@ -140,6 +153,42 @@ CASES = [
      "layersplit prefill: error: --context-len/--context: expected one value for one setting, got --context-len 64 "
      "and --context 128"),
     ("alias-hidden-loads", ["stress", "hicache", "--iterations", "5", "--loads", "6"], {}, 2, "--iterations/--loads"),
+    # 4. nothing silently dropped: one flag given twice with different values, in every parser
+    ("twice-prefill-cp", [*PREFILL, "--cp", "4"], {}, 2,
+     "layersplit prefill: error: argument --cp: given twice (2, then 4): give it once"),
+    ("twice-sweep-config", ["sweep", "--config", "cpu", "--config", "glm5-h200"], {}, 2,
+     "layersplit sweep: error: argument --config: given twice ('cpu', then 'glm5-h200'): give it once"),
+    ("twice-plan-abbreviated", [*PLAN, "--hard", "b200"], {}, 2,
+     "layersplit plan: error: argument --hardware: given twice ('h200', then 'b200'): give it once"),
+    ("twice-plan-as-parsed", [*PLAN, "--kv-dtype", "fp8", "--kv-dtype", "fp8_e4m3", "--kv-dtype", "bf16"], {}, 2,
+     "argument --kv-dtype: given 3 times ('fp8', then 'bf16'): give it once"),
+    ("twice-stress-pd", ["stress", "pd", "--seed", "1", "--seed", "2"], {}, 2,
+     "layersplit stress pd: error: argument --seed: given twice (1, then 2): give it once"),
+    ("twice-stress-hicache", ["stress", "hicache", "--loads", "5", "--loads", "6"], {}, 2,
+     "layersplit stress hicache: error: argument --loads: given twice (5, then 6)"),
+    ("twice-monitor-eval", ["monitor", "eval", "--requests", "3", "--requests=4"], {}, 2,
+     "layersplit monitor eval: error: argument --requests: given twice (3, then 4): give it once"),
+    ("twice-gpu-check", ["gpu-check", "--out", "{in}/a", "--out", "{in}/b"], {}, 2,
+     "layersplit gpu-check: error: argument --out: given twice ('{in}/a', then '{in}/b'): give it once"),
+    ("twice-sglang-plan", ["sglang-plan", "--sglang-args", "--tp 8", "--sm", "90", "--sm", "100"], {}, 2,
+     "layersplit sglang-plan: error: argument --sm: given twice ('90', then '100'): give it once"),
+    ("twice-pd-check", [PD, "--requests", "1", "--requests", "2"], {}, 2,
+     "python -m tools.pd_check: error: argument --requests: given twice (1, then 2): give it once"),
+    ("twice-pd-real", [PD_REAL, "storm", "--requests", "1", "--requests", "2"], {}, 2,
+     "python -m tools.pd_real storm: error: argument --requests: given twice (1, then 2): give it once"),
+    ("twice-gpu-script", [GPU_SCRIPT, "--out", "{in}/a", "--budget-s", "60", "--budget-s", "90"], {}, 2,
+     "python benchmarks/gpu_check.py: error: argument --budget-s: given twice (60, then 90): give it once"),
+    # 4. the maintainers' tools' usage errors are one line too, naming the tool as it was run
+    ("pd-real-usage", [PD_REAL, "storm", "--requests", "x"], {}, 2,
+     "python -m tools.pd_real storm: error: argument --requests: expected an integer >= 1, got 'x'"),
+    ("pd-real-no-command", [PD_REAL], {}, 2,
+     "python -m tools.pd_real: error: the following arguments are required: command"),
+    ("pd-real-unknown-flag", [PD_REAL, "probes", "--bogus"], {}, 2,
+     "python -m tools.pd_real: error: unrecognized arguments: --bogus"),
+    ("gpu-script-usage", [GPU_SCRIPT, "--out", "{in}/a", "--budget-s", "0"], {}, 2,
+     "python benchmarks/gpu_check.py: error: argument --budget-s: expected an integer >= 1, got 0"),
+    ("gpu-script-no-out", [GPU_SCRIPT], {}, 2,
+     "python benchmarks/gpu_check.py: error: the following arguments are required: --out"),
     # 4. mode-only flags without their mode
     ("outage-rank-alone", ["stress", "pd", "--requests", "10", "--outage-rank", "1"], {}, 2,
      "layersplit stress pd: error: --outage-rank: expected it only with --partition, --prefill-down, --lease-loss"),
@@ -214,10 +263,25 @@ def _argv(argv: list[str], inputs: Path) -> list[str]:
     return [a.replace("{in}", str(inputs)) for a in argv]
 
 
+@functools.cache
+def _gpu_script():
+    """``benchmarks/gpu_check.py`` as a module (``benchmarks/`` is not a package)."""
+    spec = importlib.util.spec_from_file_location("gpu_check_script", ROOT / "benchmarks" / "gpu_check.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def _run_in_process(argv: list[str]) -> int:
-    if argv[0] == PD:
-        return pd_check_cli.main(argv[1:])
-    return app.main(argv)
+    tools = {PD: pd_check_cli.main, PD_REAL: pd_real_cli.main, GPU_SCRIPT: lambda rest: _gpu_script().main(rest)}
+    return tools[argv[0]](argv[1:]) if argv[0] in tools else app.main(argv)
+
+
+def pretend_machine(monkeypatch) -> None:
+    """Every row on ``MACHINE``: the host memory the engines read, the GPU the sweep's rank check reads."""
+    for where in ("layersplit.engine.prefill", "layersplit.api"):
+        monkeypatch.setattr(f"{where}.available_memory_bytes", lambda: MACHINE["host_bytes"])
+    monkeypatch.setattr(resources, "gpu_free_bytes", lambda ranks: MACHINE["gpu_free_bytes"][:ranks])
 
 
 @pytest.fixture
@@ -239,8 +303,7 @@ def test_bad_input(case, places, capsys, monkeypatch):
             monkeypatch.delenv(key, raising=False)
         else:
             monkeypatch.setenv(key, value)
-    for where in ("layersplit.engine.prefill", "layersplit.api"):  # the same machine everywhere
-        monkeypatch.setattr(f"{where}.available_memory_bytes", lambda: 16 * 2**30)
+    pretend_machine(monkeypatch)
     monkeypatch.setattr(resources, "STORM_MEASURED", 50)  # the storm's short measurement, shorter
     before = sorted(inputs.iterdir())
     start = time.perf_counter()
@@ -415,3 +478,43 @@ def test_sigterm_during_a_search_is_one_line(tmp_path):
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 143 and err.strip().splitlines()[-1] == f"{PD}: terminated", err
     assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("ranks,free,refused", [
+    (3, [63, 64], "2 ranks share cuda:0, which has 63.0 MiB free"),  # ranks 0 and 2 on cuda:0 (rank % 2)
+    (3, [96, 31], "one rank on cuda:1, which has 31.0 MiB free"),
+    (3, [96, 64], None),
+    (2, None, None),  # no CUDA: the ranks run on the CPU, host memory alone (api.check_fits) decides
+], ids=["shared-device", "one-small-device", "fits", "no-cuda"])
+def test_the_gpu_check_counts_the_ranks_each_device_holds(ranks, free, refused, monkeypatch):
+    """Rank r runs on cuda:(r % devices), as rank_worker places it: a device's need is its ranks' bytes."""
+    seen = []
+
+    def free_bytes(asked: int):
+        seen.append(asked)
+        return None if free is None else [f * 2**20 for f in free]
+
+    monkeypatch.setattr(resources, "gpu_free_bytes", free_bytes)
+    check = lambda: resources.check_gpu_fits(ranks, 32 * 2**20, "weights", "use --engine model")  # noqa: E731
+    if refused is None:
+        check()
+    else:
+        with pytest.raises(ValueError) as info:
+            check()
+        assert str(info.value) == (f"each of {ranks} rank processes needs about 32.0 MiB on its GPU (weights); "
+                                   f"{refused}; use --engine model")
+    assert seen == [ranks]
+
+
+def test_gpu_free_bytes_reads_each_device_the_ranks_use():
+    """The seam itself: None without CUDA (no child started), else the free bytes of min(ranks, devices)
+    devices, read in a child so this process holds no CUDA context."""
+    initialized = torch.cuda.is_initialized()
+    free = resources.gpu_free_bytes(3)
+    if not CUDA:
+        assert free is None
+        return
+    devices = min(3, torch.cuda.device_count())
+    assert len(free) == devices
+    assert all(0 < b <= torch.cuda.get_device_properties(d).total_memory for d, b in enumerate(free))
+    assert torch.cuda.is_initialized() == initialized  # the probe made no context here

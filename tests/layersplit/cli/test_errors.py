@@ -79,3 +79,65 @@ def test_every_flag_has_help():
 
     walk(build_parser(), "layersplit")
     assert not missing, f"flags without help: {missing}"
+
+
+def _parsers(parser: argparse.ArgumentParser, path: str):
+    """(path, parser) of ``parser`` and every subcommand under it."""
+    yield path, parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                yield from _parsers(sub, f"{path} {name}")
+
+
+def test_every_parser_refuses_a_value_given_twice():
+    """Every (sub)parser of the product and the maintainers' tools is an ``options.Parser``, so every flag
+    with a value refuses a second, different one; what is meant to repeat (append, count) still does."""
+    import importlib.util
+
+    from layersplit.cli import options
+    from tools.pd_check.cli import build_parser as pd_check_parser
+    from tools.pd_real.cli import build_parser as pd_real_parser
+
+    spec = importlib.util.spec_from_file_location("gpu_check_script", ROOT / "benchmarks" / "gpu_check.py")
+    gpu_script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_script)
+    roots = {"layersplit": build_parser(), "pd_check": pd_check_parser(), "pd_real": pd_real_parser(),
+             "gpu_check.py": gpu_script.build_parser()}
+    once, repeatable = 0, 0
+    for root, parser in roots.items():
+        for path, sub in _parsers(parser, root):
+            assert isinstance(sub, options.Parser), path
+            for action in sub._actions:
+                if isinstance(action, argparse._StoreAction) and action.option_strings:
+                    assert isinstance(action, options._StoreOnce), f"{path} {action.option_strings[0]}"
+                    once += 1
+                repeatable += isinstance(action, (argparse._AppendAction, argparse._CountAction))
+    assert once > 100 and repeatable >= 3  # --kill-rank, --restart-decode, --guard-off (stress pd, pd_check)
+
+
+PLAN = ["plan", "--model", "glm-5", "--cp", "8", "--hardware", "h200"]
+PREFILL = ["prefill", "--mode", "layersplit"]
+
+
+@pytest.mark.parametrize("argv,kept", [
+    (["stress", "pd", "--guard-off", "owners-only", "--guard-off", "fence-refuses-writes"],
+     ("guard_off", ["owners-only", "fence-refuses-writes"])),  # append: meant to repeat
+    ([*PLAN, "--cp", "8"], ("cp", 8)),  # the same value twice drops nothing
+    ([*PLAN, "--kv-dtype", "fp8", "--kv-cache-dtype", "fp8_e4m3"], ("kv_dtype", "fp8")),  # agree as parsed
+    (["stress", "hicache", "--iterations", "7", "--loads", "7"], ("loads", 7)),  # a hidden old name, agreeing
+], ids=["append", "same-value", "alias-agrees", "hidden-alias-agrees"])
+def test_what_may_repeat_is_taken(argv, kept):
+    args = build_parser().parse_args(argv)
+    assert getattr(args, kept[0]) == kept[1]
+
+
+def test_a_parser_forgets_the_last_command_line(capsys):
+    """The flags seen are this parse's: parsing again with the same parser (a test, a REPL) is not a repeat."""
+    parser = build_parser()
+    assert parser.parse_args([*PREFILL, "--cp", "2"]).cp == 2
+    assert parser.parse_args([*PREFILL, "--cp", "4"]).cp == 4
+    with pytest.raises(SystemExit) as info:
+        parser.parse_args([*PREFILL, "--cp", "4", "--cp=2"])
+    assert info.value.code == 2
+    assert capsys.readouterr().err == "layersplit prefill: error: argument --cp: given twice (4, then 2): give it once\n"

@@ -183,6 +183,21 @@ def test_table_explains_both_measured_columns(measured):
     assert "| +3.0% [-1.1, +7.1] (interval spans 0) |" in paired.table(points, cfg)  # rounded the cautious way
 
 
+def test_table_says_per_rank_or_per_run_and_names_request_tokens(measured):
+    """Every count column says whether it is one rank's or the whole run's, in the table and the JSON keys;
+    the rate is ``request_tokens_per_s``, headed "request tokens/s"."""
+    cfg, points, *_ = measured
+    text = paired.table(points, cfg)
+    header = next(line for line in text.splitlines() if line.startswith("| length | mode |"))
+    columns = [c.strip() for c in header.strip("|").split("|")]
+    counts = [c for c in columns if c.endswith(("(MB)", "tokens", "tokens/rank", "tokens/run"))]
+    assert len(counts) == 6 and all("/rank" in c or "/run" in c for c in counts), counts
+    assert "request tokens/s (measured, median of 8)" in columns and "req tok/s" not in text
+    assert {"bcast_bytes_per_rank", "reload_bytes_per_rank", "kv_bytes_per_rank", "recomputed_tokens_per_run",
+            "reload_ahead_bytes_per_rank", "peak_l1_tokens_per_rank", "request_tokens_per_s",
+            "new_tokens_per_s"} <= set(points[1])
+
+
 def test_plot_draws_the_interval_and_no_seed_points(measured, tmp_path, monkeypatch):
     import matplotlib.pyplot as plt
     from matplotlib.container import ErrorbarContainer

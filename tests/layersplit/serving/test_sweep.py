@@ -49,7 +49,7 @@ def test_real_engine_default_config_shape(tmp_path, capsys):
     points = run(tmp_path, capsys, small(tmp_path, "cpu", lengths=[40000], requests=6, sessions=3))
     assert {p["kind"] for p in points} == {"measured"} and len(points) == 2
     ls = [p for p in points if p["mode"] == "layersplit"][0]
-    assert ls["bcast_bytes"] > 0 and ls["request_tokens_per_s"] > 0
+    assert ls["bcast_bytes_per_rank"] > 0 and ls["request_tokens_per_s"] > 0
     assert sum(ls["batch_sizes"]) == 6
     for p in points:  # each mode's own median over its repeats (an even count: both orders equally often)
         n = p["repeats"]
@@ -119,8 +119,8 @@ def test_model_sweep_every_peer_breakdown_and_labels(tmp_path, capsys):
             assert parts == pytest.approx(p["seconds"], rel=1e-9)
             assert abs(p["hit_L1"] + p["hit_L2"] + p["miss"] - 1) < 1e-9
         assert at["redundant-shared-host"]["l2_tokens_per_rank"] // 8 == at["redundant"]["l2_tokens_per_rank"]  # one copy per node
-        assert at["upstream-layersplit"]["bcast_bytes"] > 5 * at["layersplit"]["bcast_bytes"] > 0
-        assert at["redundant"]["bcast_bytes"] == 0
+        assert at["upstream-layersplit"]["bcast_bytes_per_rank"] > 5 * at["layersplit"]["bcast_bytes_per_rank"] > 0
+        assert at["redundant"]["bcast_bytes_per_rank"] == 0
         assert at["layersplit"]["gain_vs_kv_sharding"] == pytest.approx(
             100 * (at["layersplit"]["request_tokens_per_s"] / at["kv-sharding"]["request_tokens_per_s"] - 1))
         assert at["kv-sharding"]["l1_tokens_per_rank"] > at["layersplit"]["l1_tokens_per_rank"]
@@ -129,9 +129,18 @@ def test_model_sweep_every_peer_breakdown_and_labels(tmp_path, capsys):
         qm = at["query-moving"]
         assert qm["l1_tokens_per_rank"] < at["layersplit"]["l1_tokens_per_rank"]  # its receive slots
         assert qm["owner_wait_s"] > 0 and qm["request_tokens_per_s"] < at["layersplit"]["request_tokens_per_s"]
-        assert qm["bcast_bytes"] > 10 * at["layersplit"]["bcast_bytes"]  # 9 cached tokens per new one
+        assert qm["bcast_bytes_per_rank"] > 10 * at["layersplit"]["bcast_bytes_per_rank"]  # 9 cached tokens per new one
+        for p in at.values():  # one deterministic modelled run: no repeats, no spread, no noise to be within
+            assert not {"repeats", "seconds_runs", "spread_pct", "gain_within_noise"} & set(p), p
     table = (tmp_path / "out" / "table.md").read_text()
     assert "vs upstream split" in table and "exposed reload" in table and "modelled" in table
+    header = next(line for line in table.splitlines() if line.startswith("| length | mode |"))
+    columns = [c.strip() for c in header.strip("|").split("|")]
+    assert "request tokens/s (modelled)" in columns and "spread" not in header and "0% of 1" not in table
+    assert "req tok/s" not in table and "tok/s" not in header.replace("request tokens/s", "")
+    counts = [c for c in columns if c.endswith(("(GB)", "tokens", "tokens/rank")) or c.startswith("batches")]
+    assert len(counts) == 5 and all("/rank" in c or "/run" in c for c in counts), counts  # per rank or per run
+    assert all("modelled" in c for c in columns if "(s" in c or "/s" in c)  # every rate and time says modelled
     assert "vs kv-sharding" in table and "Sensitivity (**modelled**)" in table and "Calibration (**model**" in table
     assert table.count("- 40k: vs redundant") == 1 and "- 120k: vs redundant" in table
     assert "**KV fp8**" in table and "**KV bf16**" in table and "so it has no bf16 row" in table
@@ -159,6 +168,38 @@ def test_points_written_as_lengths_finish(tmp_path, capsys, monkeypatch):
     assert seen == [15, 30]  # 8 fp8 rows + 7 bf16 rows a length
 
 
+def test_progress_counts_every_point_of_every_kv_dtype(tmp_path, capsys, monkeypatch):
+    """The bar is sized by the points the sweep yields: per length 8 fp8 rows and 7 bf16 rows (KV sharding as
+    shipped runs fp8 only), not modes x lengths; the measured engine runs its two modes at one dtype."""
+    import tqdm
+
+    from layersplit.serving.sweep import point_count
+
+    bars = []
+
+    class Bar:
+        def __init__(self, total, **kwargs):
+            self.total, self.n = total, 0
+            bars.append(self)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def update(self, n=1):
+            self.n += n
+
+    monkeypatch.setattr(tqdm, "tqdm", Bar)
+    config = small(tmp_path, "glm5-h200", lengths=[40000, 80000, 120000], requests=24, sessions=6)
+    points = run(tmp_path, capsys, config)
+    assert {p["kv_dtype"] for p in points} == {"fp8", "bf16"}
+    (bar,) = bars
+    assert bar.total == bar.n == len(points) == 3 * (8 + 7) == point_count(load_sweep(config))
+    assert point_count(load_sweep(small(tmp_path, "cpu", lengths=[40000, 80000, 120000]))) == 3 * 2
+
+
 def test_gain_map(tmp_path, capsys):
     cfg = small(tmp_path, "glm5-h200", lengths=[40000, 120000], requests=64, sessions=16)
     out = tmp_path / "out"
@@ -169,6 +210,7 @@ def test_gain_map(tmp_path, capsys):
     assert all({"gain_vs_redundant", "gain_vs_upstream-layersplit", "gain_vs_redundant-shared-host",
                 "gain_vs_query-moving", "gain_vs_best_available_peer"} <= set(r) for r in rows)
     assert {r["best_available_peer"] for r in rows} <= {"redundant", "redundant-shared-host", "upstream-layersplit"}
+    assert all(r["layersplit_request_tokens_per_s"] > 0 for r in rows)  # the project's name for the rate
     for r in rows:
         assert ("gain_vs_kv-sharding-shipped" in r) == (r["kv_dtype"] == "fp8")
     text = (out / "gain_map.md").read_text()
