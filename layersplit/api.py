@@ -3,7 +3,10 @@ numbers), checks them before any work, and returns plain data.
 
 - :func:`plan_capacity` — KV capacity per CP rank of every layout (what ``layersplit plan --json`` prints);
 - :func:`prefill` — one CP prefill on real rank processes, checked against the single-process reference
-  (:func:`layersplit.engine.prefill.prefill`);
+  (:func:`layersplit.engine.prefill.prefill`): the ``LAYERSPLIT_*`` variables and the memory it needs are
+  checked as the CLI checks them, before any process starts; ``timeout_s`` bounds the rank processes
+  (default 600 s); its :class:`PrefillReport` gives ``new_tokens_per_s`` (new tokens) and
+  ``request_tokens_per_s`` (every context token, cached prefix included), both per run;
 - :func:`sweep` — the 40k-120k sweep at 90% prefix reuse, optionally writing its files as it goes.
 """
 

@@ -13,8 +13,6 @@ device memory by :func:`check_sweep_gpu_fits`.
 
 from __future__ import annotations
 
-import json
-import subprocess
 import sys
 import time
 
@@ -97,28 +95,19 @@ def check_storm_fits(cfg, run_pd_stress) -> None:
           f"{cfg.requests:,} requests (measured on {STORM_MEASURED}); Ctrl-C stops it", file=sys.stderr, flush=True)
 
 
-# a child reads the free memory: torch.cuda.mem_get_info in this process would create a CUDA context on every
-# device it asks about and keep it for the whole run (memory the ranks then lack; under the exclusive-process
-# compute mode, a device they cannot open at all)
-_FREE_BYTES = ("import json, sys, torch; "
-               "print(json.dumps([torch.cuda.mem_get_info(d)[0] for d in range(int(sys.argv[1]))]))")
-
-
 def gpu_free_bytes(ranks: int) -> list[int] | None:
     """Free bytes of each CUDA device ``ranks`` rank processes would use (rank r on device ``r % count``, as
     :mod:`layersplit.engine.rank_worker` places them), or None where they run on the CPU or the probe fails
-    (nothing to compare then: the ranks' own allocations say it). The seam tests replace."""
+    (nothing to compare then: the ranks' own allocations say it). Read in a child process by
+    :func:`layersplit.engine.prefill.gpu_memory_bytes`; the seam tests replace."""
     import torch
+
+    from layersplit.engine.prefill import gpu_memory_bytes
 
     if not torch.cuda.is_available():
         return None
-    devices = min(ranks, torch.cuda.device_count())
-    try:
-        probe = subprocess.run([sys.executable, "-c", _FREE_BYTES, str(devices)], capture_output=True, text=True,
-                               timeout=120, check=True)
-        return [int(b) for b in json.loads(probe.stdout.strip().splitlines()[-1])]
-    except (OSError, subprocess.SubprocessError, ValueError, IndexError):
-        return None
+    memory = gpu_memory_bytes(min(ranks, torch.cuda.device_count()))
+    return None if memory is None else [free for free, _ in memory]
 
 
 def check_gpu_fits(ranks: int, rank_bytes: int, what: str, fix: str) -> None:

@@ -2,11 +2,12 @@
 
 Per layer ``l`` (``layersplit`` mode; ``redundant`` skips every broadcast and scratch step):
 
-1. project the rank's new tokens; all-gather every rank's new rows (bf16 latent, rope and index key);
-2. owner of ``l``: writes the new rows into its pool and reads the pool. Non-owner: waits for the
-   all-gather and the **indexer-key broadcast** of ``l`` (issued one layer earlier), writes the new
+1. project the rank's new tokens; pack their cache rows as the caches store them (MLA row in
+   ``kv_dtype``, e4m3 index key) and all-gather every rank's as bytes (:mod:`layersplit.engine.new_rows`);
+2. owner of ``l``: copies the new rows into its pool and reads the pool. Non-owner: waits for the
+   all-gather and the **indexer-key broadcast** of ``l`` (issued one layer earlier), copies the new
    index keys into the scratch slot and runs the indexer + top-k; only then waits for the **KV
-   broadcast** of ``l``, writes the new KV rows and runs sparse attention;
+   broadcast** of ``l``, copies the new KV rows in and runs sparse attention;
 3. output projection; then **layer l+1's broadcasts are issued before layer l's MLP**;
 4. MLP.
 
@@ -28,11 +29,25 @@ would serialize them again. Both communicators see their collectives in the same
 
 **fp8 KV** (``kv_dtype="fp8"``): every MLA cache row is the uint8 row of :mod:`dsa_kernels.layout` (e4m3
 latent, fp32 tile scales, bf16 rope: 656 B for GLM-5 against 1152 B in bf16) in the pools, the scratch
-slots, the host tier and the KV broadcast, which sends page views as bytes for either dtype. The new rows
-are all-gathered in bf16 for both and quantized where they land (``pack_mla_kv``, step 2): a row's bytes
-depend on that bf16 row alone (one scale per 128-element tile of it), so every rank, and the
-single-process reference at fp8, stores the same bytes for the same row: a CP run is compared with the
-reference like with like. Sparse attention dequantizes the rows it reads.
+slots, the host tier, the KV broadcast (page views as bytes, for either dtype) and the new rows'
+all-gather: a token's own rank packs its row (``pack_mla_kv``, step 1) and every rank copies those
+bytes in (step 2). What holds, and where:
+
+* **within one CP run, every rank stores the same bytes for a new row**: the bytes its own rank
+  packed, moved and copied (data movement; on every device);
+* **against the single-process reference** (which packs all new rows in one call), a row's bytes are
+  a deterministic function of its bf16 latent and rope on one backend (one scale per 128-element tile
+  of that row; IEEE divisions in the Triton kernel), so the two store the same bytes *where they
+  project the token to the same bf16 row*. On a CPU the projections give a row the same fp32 values
+  whatever else is in the batch (to the last bits of a thread split), and the CP tests hold the output
+  to 1e-4 of its scale. On a GPU they need not: a rank multiplies only its own rows, the GEMM kernel
+  depends on the row count, a row's last bits can change, and one flipped bf16 or e4m3 rounding (or
+  top-k choice) follows. So no check compares a GPU run's cache bytes with the reference's; the GPU
+  check holds the CP output within ``FLOOR_FACTOR`` x the row-split floor of the reference of the same
+  ``kv_dtype``, measured on that device (:mod:`layersplit.gpu_check.agreement`).
+
+Sparse attention dequantizes the rows it reads. The index keys travel quantized for both dtypes (exact
+ue8m0 scales: the same bytes as quantizing where they land, see :mod:`layersplit.engine.new_rows`).
 
 Layers without an indexer reuse the last top-k (positions, mapped through this layer's table).
 The owner gathers only the batch's prefix pages (``plan.bcast_pages``) and, when its prefix rows of
@@ -46,13 +61,17 @@ sanitizer's teeth tests through ``FaultInjection.unsafe_skip_edges``):
 * a scratch slot is refilled only after the compute stream recorded its *released* event, after the
   last read of the layer it held (the issue-time wait also orders it);
 * the host-tier reload waits for the poison fill recorded on the compute stream;
+* the new rows' send buffer is packed on compute before the all-gather's issue (the issue-time wait
+  orders the comm stream's read after it); the rows are copied out of the all-gather's receive buffer
+  only after compute waited for its event (``allgather_new[l]``);
 * the owner's new rows of ``l`` land after its sends of ``l`` read them: the index-key send precedes
   ``l``'s all-gather on the main channel, which compute waits for first; the KV send runs on the
-  other stream, so compute waits for its ``source_read`` event (the send buffer was packed) before
-  writing the new KV rows.
+  other stream, so compute waits for its ``source_read`` event (``kv_send_packed[l]``: the send buffer
+  was packed) before copying the new KV rows in.
 
-Kernels get contiguous operands (``_rows`` builds each part as its own tensor); the dispatch layer
-checks that contract on every backend, so a CPU run on the torch reference refuses what Triton would.
+Kernels get contiguous operands (the new rows are packed from contiguous bf16 copies into contiguous
+views of the send buffer); the dispatch layer checks that contract on every backend, so a CPU run on
+the torch reference refuses what Triton would.
 """
 
 from __future__ import annotations
@@ -62,8 +81,7 @@ from typing import NamedTuple
 
 import torch
 
-from dsa_kernels import (gather_pages, indexer_topk, pack_mla_kv, positions_to_slots, quantize_index_keys,
-                         query_block_extents, sparse_mla_prefill)
+from dsa_kernels import gather_pages, indexer_topk, positions_to_slots, query_block_extents, sparse_mla_prefill
 from dsa_kernels.layout import PAGE_SIZE
 from hicache.host_pool import DSAHostPool
 from hicache.load_pipeline import LayerwiseLoader
@@ -76,6 +94,7 @@ from layersplit.plan.config import ModelConfig
 from layersplit.plan.capacity import scratch_pages_for
 from layersplit.engine.cp_pool import CPPool, ReadBuffers, cache_spec
 from layersplit.engine.model import Projections, TinyDSA
+from layersplit.engine.new_rows import NewRows
 from layersplit.plan.ownership import plan_ownership
 from layersplit.engine.trace import Tracer
 
@@ -141,6 +160,10 @@ class RankResult:
     kv_bytes: dict[str, int]
     bcast_bytes: dict[int, int] = field(default_factory=dict)  # layer -> bytes this rank sent or received
     bcast_kv_bytes: dict[int, int] = field(default_factory=dict)  # layer -> the KV part of them (rows in kv_dtype)
+    # layer -> bytes of the new rows' all-gather this rank received from the other ranks ((cp - 1) x the padded
+    # send buffer of :mod:`layersplit.engine.new_rows`; empty at cp 1), and the KV part of them (rows in kv_dtype)
+    allgather_bytes: dict[int, int] = field(default_factory=dict)
+    allgather_kv_bytes: dict[int, int] = field(default_factory=dict)
     trace: list[dict] = field(default_factory=list)
     reload_bytes: int = 0  # host-tier bytes this rank copied to its device pool (measured)
     bcast_wait_s: float = 0.0  # compute time spent waiting for broadcasts (exposed communication)
@@ -309,44 +332,35 @@ class RankEngine:
             self._bcast_kv_bytes[layer] = nbytes
 
     # one layer -----------------------------------------------------------------------------------
-    def _gather_new_rows(self, layer: int, p: Projections, plan: BatchPlan) -> tuple[Event, list[torch.Tensor]]:
-        width = self.spec.kv_lora_rank + self.spec.rope_dim + self.spec.index_head_dim
-        n_max = max(len(x) for x in plan.local)
-        local = torch.zeros(n_max, width, dtype=torch.bfloat16, device=p.kv_c.device)
-        local[: len(p.kv_c)] = torch.cat([p.kv_c, p.k_pe, p.index_k], dim=1).to(torch.bfloat16)
-        out = [torch.empty_like(local) for _ in range(self.cfg.cp)]
-        return self.comm.all_gather(f"allgather_new[{layer}]", local, out, layer=layer), out
-
-    def _rows(self, out: list[torch.Tensor], plan: BatchPlan) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Every rank's new rows in global order, as the kernels take them: ``(kv_c, k_pe, index_k)``,
-        each its own contiguous ``[n_new, width]`` bf16 tensor (never a column slice of one buffer)."""
-        widths = (self.spec.kv_lora_rank, self.spec.rope_dim, self.spec.index_head_dim)
-        n, dev = len(plan.new_req), out[0].device
-        parts = tuple(torch.empty(n, w, dtype=torch.bfloat16, device=dev) for w in widths)
-        for r, idx in enumerate(plan.local):
-            for part, piece in zip(parts, out[r][: len(idx)].split(widths, dim=1)):
-                part[idx] = piece
-        return parts
+    def _gather_new_rows(self, layer: int, p: Projections) -> tuple[Event, torch.Tensor]:
+        """Pack this rank's new rows as the caches store them and all-gather the bytes; returns the
+        all-gather's event and the ``[cp, nbytes]`` buffer it fills (:mod:`layersplit.engine.new_rows`)."""
+        local = self._new_rows.pack(layer, p.kv_c, p.k_pe, p.index_k)  # hazard: read by comm after the issue-time wait
+        gathered = self._new_rows.receive_buffer(layer, local.device)
+        if self.cfg.cp > 1:
+            layout = self._new_rows.layout(layer)
+            self._allgather_bytes[layer] = (self.cfg.cp - 1) * layout.nbytes  # received from the other ranks
+            self._allgather_kv_bytes[layer] = (self.cfg.cp - 1) * layout.kv_bytes
+        return self.comm.all_gather(f"allgather_new[{layer}]", local, list(gathered.unbind(0)), layer=layer), gathered
 
     def _layer(self, layer: int, x: RankTokens, plan: BatchPlan, bcast: dict[str, Sent], load) -> torch.Tensor:
         """Steps 1-3 of the module docstring for layer ``layer`` (the caller issues layer l+1's
         broadcasts, then runs step 4, the MLP). Each wait is named after the edge it is."""
         owner_here = self.pool.holds(layer)
         loading = owner_here and load is not None  # this rank's prefix rows of the layer come from host
-        # 1. project this rank's new tokens; all-gather every rank's new rows
+        # 1. project this rank's new tokens; pack their rows as stored and all-gather every rank's
         p = self.model.project(layer, x.h, x.pos)
-        gathered, out = self._gather_new_rows(layer, p, plan)
+        done, gathered = self._gather_new_rows(layer, p)
         rb: ReadBuffers = self.pool.read_buffers(layer, plan)
-        self._wait(f"allgather_new[{layer}]", gathered, layer)
-        kv_c, k_pe, index_k = self._rows(out, plan)
+        self._wait(f"allgather_new[{layer}]", done, layer)
         # 2a. the indexer: its keys landed (host reload or the owner's broadcast), the new keys, top-k
         if self.spec.has_indexer(layer):
             self._wait_index_keys(layer, owner_here, loading, bcast, load)
-            quantize_index_keys(index_k, rb.index, rb.new_slots)
+            self._new_rows.land_index(layer, gathered, rb.index, rb.new_slots)
             x.top = self._indexer(layer, p, rb, x, plan)
         # 2b. sparse attention: its KV landed (host reload, broadcast, or the owner's send packed), the new rows
         self._wait_kv(layer, owner_here, loading, bcast, load)
-        pack_mla_kv(kv_c, k_pe, rb.kv, rb.new_slots)
+        self._new_rows.land_kv(layer, gathered, rb.kv, rb.new_slots)
         out_lat = self._attention(layer, p, rb, x)
         self._release_slot(layer, owner_here, bcast)
         # 3. output projection
@@ -403,6 +417,9 @@ class RankEngine:
     def _prefill(self, requests: list[Request], plan: BatchPlan) -> RankResult:
         self._bcast_bytes: dict[int, int] = {}
         self._bcast_kv_bytes: dict[int, int] = {}
+        self._allgather_bytes: dict[int, int] = {}
+        self._allgather_kv_bytes: dict[int, int] = {}
+        self._new_rows = NewRows(self.spec, plan.local, self.rank, self.rt.device)  # once per batch
         self._waits, self._released = [], {}
         self._install_delays()
         self.tracer.start(self.compute)
@@ -438,6 +455,8 @@ class RankEngine:
         # device tensors: the caller copies them to the host after the forward (the launcher does)
         return RankResult(rank=self.rank, hidden=h, local=loc, seconds=seconds, kv_bytes=self.pool.kv_bytes(),
                           bcast_bytes=dict(self._bcast_bytes), bcast_kv_bytes=dict(self._bcast_kv_bytes),
+                          allgather_bytes=dict(self._allgather_bytes),
+                          allgather_kv_bytes=dict(self._allgather_kv_bytes),
                           trace=list(self.tracer.events),
                           reload_bytes=load.bytes_copied if load else 0, bcast_wait_s=waits, comm_wait_s=comm_waits,
                           kv_order=self._kv_order(), reload_bytes_by_layer=dict(load.bytes_by_layer) if load else {})

@@ -9,14 +9,18 @@ allocate are compared with the memory this machine has, **before** any process s
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 
 from dsa_kernels.layout import PAGE_SIZE
 from layersplit.engine.batch_plan import SPLITS
 from layersplit.engine.cp_pool import MODES
-from layersplit.plan.choices import ENGINE_KV_DTYPES
+from layersplit.plan.choices import ENGINE_KV_DTYPES, TIMEOUT_MAX_S
+from layersplit.plan.modes import scratch_pages_for
 from layersplit.plan.ownership import STRATEGIES, plan_ownership
 from layersplit.plan.config import ModelConfig, load_model
 
@@ -35,9 +39,9 @@ class PrefillReport:
     hit: float
     new_tokens: int
     prefill_seconds: float  # measured: the slowest rank's prefill
-    tokens_per_s: float
+    new_tokens_per_s: float  # the new tokens of all requests per prefill second (per run)
     kv_bytes_per_rank: list[dict]
-    bcast_bytes_per_layer: dict
+    bcast_bytes_per_layer: dict  # rank 0's: what it sent or received, per layer
     max_abs_deviation_vs_reference: float
     measured_on: str
     kv_dtype: str = "bf16"  # the MLA cache rows (the reference's too)
@@ -53,15 +57,40 @@ class PrefillReport:
     bcast_wait_ms_per_rank: list[float] = field(default_factory=list)  # compute-stream stalls on broadcasts
     sanitizer_hazards: int | None = None  # None: not sanitized (LAYERSPLIT_SANITIZE unset)
     sanitizer_hazard_list: list[str] = field(default_factory=list)
+    # every context token of the requests, cached prefix included, per second of the same wall time (per run)
+    request_tokens_per_s: float = 0.0
+    # rank 0's new rows' all-gather, per layer: bytes received from the other ranks, and their KV part
+    allgather_bytes_per_layer: dict = field(default_factory=dict)
+    allgather_kv_bytes_per_layer: dict = field(default_factory=dict)
     trace_events: list[dict] = field(default_factory=list, repr=False)
 
     def as_dict(self) -> dict:
+        """The report as plain data (the CLI's ``--json``), with ``count_scope``: whose each count is."""
         d = asdict(self)
         d.pop("trace_events")
         if self.sanitizer_hazards is None:
             d.pop("sanitizer_hazards")
             d.pop("sanitizer_hazard_list")
+        d["count_scope"] = {k: v for k, v in COUNT_SCOPE.items() if k in d}
         return d
+
+
+# whose each count of a report is: the run's (all ranks together), one rank's, or a list with one per rank
+COUNT_SCOPE = {
+    "new_tokens": "per run (all requests)",
+    "prefill_seconds": "per run (the slowest rank)",
+    "new_tokens_per_s": "per run", "request_tokens_per_s": "per run",
+    "kv_bytes_per_rank": "per rank (one entry per rank)",
+    "bcast_bytes_per_layer": "rank 0, per layer (sent or received)",
+    "bcast_kv_bytes_per_layer": "rank 0, per layer (sent or received)",
+    "allgather_bytes_per_layer": "rank 0, per layer (received from the other ranks)",
+    "allgather_kv_bytes_per_layer": "rank 0, per layer (received from the other ranks)",
+    "bcast_wait_ms_per_rank": "per rank (one entry per rank)",
+    "indexer_waits_for_kv_bcast": "per run (all ranks)",
+    "max_abs_deviation_vs_reference": "per run (all new tokens)",
+    "max_abs_deviation_vs_torch_engine": "per run (all new tokens)",
+    "sanitizer_hazards": "per run (all ranks and the reference, distinct)",
+}
 
 
 def weight_bytes(model: ModelConfig) -> int:
@@ -98,10 +127,122 @@ def available_memory_bytes() -> int | None:
     return None
 
 
+def rank_cache_bytes(model: ModelConfig, *, cp: int, mode: str, ownership: str, pool_pages: int, scratch_pages: int,
+                     kv_dtype: str = "bf16") -> int:
+    """Cache bytes of the rank that holds the most, as :class:`layersplit.engine.cp_pool.CPPool` allocates
+    them: every layer (``redundant``, or one rank), else its owned layers plus two scratch slots of
+    ``scratch_pages`` pages of the widest layer it does not own."""
+    page = [PAGE_SIZE * model.layer_bytes_per_token(layer, kv_dtype) for layer in range(model.num_layers)]
+    if mode == "redundant" or cp == 1:
+        return pool_pages * sum(page)
+    own = plan_ownership(model.num_layers, cp, ownership)
+
+    def held(rank: int) -> int:
+        owned = set(own.owned_layers(rank))
+        remote = [page[layer] for layer in range(model.num_layers) if layer not in owned]
+        return pool_pages * sum(page[layer] for layer in owned) + (2 * scratch_pages * max(remote) if remote else 0)
+    return max(held(rank) for rank in range(cp))
+
+
+# the probe runs in a child: torch.cuda.mem_get_info here would create a CUDA context in this process that
+# lives through the whole run (memory the ranks then lack; a device they cannot open in exclusive-process mode)
+_GPU_PROBE = ("import json, sys, torch; print(json.dumps([[*torch.cuda.mem_get_info(d), "
+              "*torch.cuda.get_device_capability(d)] for d in range(int(sys.argv[1]))]))")
+
+
+def _probe_gpus(devices: int) -> list[tuple[int, int, int, int]] | None:
+    """``(free, total, major, minor)`` of CUDA devices ``0 .. devices - 1``, read in a child process, or None
+    where there is no CUDA or the probe fails (the ranks' own allocations and launches say it then)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    try:
+        probe = subprocess.run([sys.executable, "-c", _GPU_PROBE, str(devices)], capture_output=True, text=True,
+                               timeout=120, check=True)
+        return [tuple(int(v) for v in row) for row in json.loads(probe.stdout.strip().splitlines()[-1])]
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError, TypeError):
+        return None
+
+
+def gpu_memory_bytes(devices: int) -> list[tuple[int, int]] | None:
+    """``(free, total)`` bytes of CUDA devices ``0 .. devices - 1`` (``torch.cuda.mem_get_info``), or None
+    off CUDA. The seam a CPU test replaces (also behind ``layersplit.cli.resources.gpu_free_bytes``)."""
+    facts = _probe_gpus(devices)
+    return None if facts is None else [(free, total) for free, total, _, _ in facts]
+
+
+def gpu_capabilities(devices: int) -> list[tuple[int, int]] | None:
+    """Compute capability ``(major, minor)`` of CUDA devices ``0 .. devices - 1``, or None off CUDA. The seam
+    a CPU test replaces."""
+    facts = _probe_gpus(devices)
+    return None if facts is None else [(major, minor) for _, _, major, minor in facts]
+
+
+def check_fp8_devices(cp: int, kv_dtype: str) -> None:
+    """fp8 KV on CUDA needs sm89+ on every device the ranks use (the sparse-MLA kernel reads e4m3, which
+    does not compile below it; :data:`dsa_kernels.triton_ops.sparse_mla.FP8_MIN_CAPABILITY`): refused here,
+    before any process starts, rather than at the first attention inside the ranks."""
+    import torch
+
+    if kv_dtype != "fp8" or not torch.cuda.is_available():
+        return
+    from dsa_kernels.triton_ops.sparse_mla import FP8_MIN_CAPABILITY
+
+    for device, cap in enumerate(gpu_capabilities(min(cp, max(1, torch.cuda.device_count()))) or ()):
+        if tuple(cap) < FP8_MIN_CAPABILITY:
+            raise ValueError(f"kv_dtype: fp8 KV needs sm{FP8_MIN_CAPABILITY[0]}{FP8_MIN_CAPABILITY[1]}+ (Ada, "
+                             f"Hopper, Blackwell), got sm{cap[0]}{cap[1]} on cuda:{device}; use bf16")
+
+
+def _gib(nbytes: float) -> str:
+    return f"{nbytes / 2**30:,.2f} GiB"
+
+
+def check_gpu_memory(model: ModelConfig, *, cp: int, mode: str, ownership: str, requests: int, context_len: int,
+                     kv_dtype: str) -> None:
+    """Where the ranks run on CUDA (rank ``r`` on device ``r % count``, as the rank worker places them): each
+    device's free memory against the fp32 weights and caches of the ranks it holds, and on device 0 against
+    the single-process reference's too (every layer; it runs there after them). Refused in one line naming
+    ``context_len`` with the largest that fits, or ``model`` where none does."""
+    import torch
+
+    memory = gpu_memory_bytes(min(cp, max(1, torch.cuda.device_count()) if torch.cuda.is_available() else 1))
+    if not memory:
+        return
+
+    def pages(tokens: int) -> int:
+        return requests * -(-tokens // PAGE_SIZE)
+
+    def rank_bytes(tokens: int) -> int:
+        return weight_bytes(model) + rank_cache_bytes(model, cp=cp, mode=mode, ownership=ownership,
+                                                      pool_pages=pages(tokens), kv_dtype=kv_dtype,
+                                                      scratch_pages=scratch_pages_for(requests * tokens, requests))
+
+    def need(device: int, tokens: int) -> int:
+        reference = weight_bytes(model) + cache_bytes(model, pages(tokens), kv_dtype) if device == 0 else 0
+        return max(len(range(device, cp, len(memory))) * rank_bytes(tokens), reference)
+
+    for device, (free, total) in enumerate(memory):
+        if need(device, context_len) <= free:
+            continue
+        low, high = 1, context_len  # bisect: the largest context that fits (1: none of >= 2 tokens does)
+        while high - low > 1:
+            mid = (low + high) // 2
+            low, high = (mid, high) if need(device, mid) <= free else (low, mid)
+        where = (f"cuda:{device} has {_gib(free)} free of {_gib(total)} and needs {_gib(need(device, context_len))}: "
+                 f"{len(range(device, cp, len(memory)))} rank process(es) of {_gib(rank_bytes(context_len))} each "
+                 f"({model.name}'s fp32 weights and {kv_dtype} caches for {requests} x {context_len:,} tokens)"
+                 + (", then the single-process reference (every layer)" if device == 0 else ""))
+        if low < 2:
+            raise ValueError(f"model: {model.name!r} does not fit any context: {where}; use a smaller model (tiny)")
+        raise ValueError(f"context_len: expected <= {low:,} on this GPU, got {context_len:,}: {where}")
+
+
 def check_arguments(model: ModelConfig, *, cp: int, mode: str, ownership: str, split: str, requests: int,
-                    context_len: int, hit: float, seed: int, kv_dtype: str = "bf16") -> None:
-    """Every argument of :func:`prefill`, and whether the run fits this machine; raises ``ValueError``
-    naming the argument (the CLI's flag is the same name with dashes)."""
+                    context_len: int, hit: float, seed: int, kv_dtype: str = "bf16", timeout_s: float = 600.0) -> None:
+    """The arguments of :func:`prefill` that describe the batch; raises ``ValueError`` naming the argument (the
+    CLI's flag is the same name with dashes). Whether the run fits this machine: :func:`check_memory`."""
     for name, value, low in (("cp", cp, 1), ("requests", requests, 1), ("context_len", context_len, 2)):
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
             raise ValueError(f"{name}: expected an integer >= {low}, got {value!r}")
@@ -113,9 +254,18 @@ def check_arguments(model: ModelConfig, *, cp: int, mode: str, ownership: str, s
         raise ValueError(f"hit: expected a number in [0, 1), got {hit!r}")
     if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= SEED_MAX:
         raise ValueError(f"seed: expected an integer in [0, 2**63 - 1], got {seed!r}")
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not 0 < timeout_s <= TIMEOUT_MAX_S:
+        raise ValueError(f"timeout_s: expected a number of seconds in (0, {TIMEOUT_MAX_S}], got {timeout_s!r}")
     if cp > model.num_layers:
         raise ValueError(f"cp: expected <= {model.num_layers} (the layers of {model.name}, so every rank owns one), got {cp}")
     plan_ownership(model.num_layers, cp, ownership)
+
+
+def check_memory(model: ModelConfig, *, cp: int, mode: str, ownership: str, requests: int, context_len: int,
+                 kv_dtype: str = "bf16") -> None:
+    """Whether the run fits this machine, from the config before anything is allocated: host memory (every
+    process's fp32 weights and caches), then, where the ranks run on CUDA, each GPU's (:func:`check_gpu_memory`);
+    raises ``ValueError`` naming the argument to change."""
     pool_pages = requests * -(-context_len // PAGE_SIZE)
     processes = cp + 1  # the rank processes and the reference in this one
     caches = cache_bytes(model, pool_pages, kv_dtype)
@@ -127,6 +277,8 @@ def check_arguments(model: ModelConfig, *, cp: int, mode: str, ownership: str, s
                          f"processes and {kv_dtype} caches of about {caches / 2**30:,.1f} GiB, "
                          f"{need / 2**30:,.1f} GiB in all; this machine has {have / 2**30:,.1f} GiB available "
                          "(on a CPU use --model tiny)")
+    check_gpu_memory(model, cp=cp, mode=mode, ownership=ownership, requests=requests, context_len=context_len,
+                     kv_dtype=kv_dtype)
 
 
 @contextmanager
@@ -151,7 +303,8 @@ def _kv_order_summary(result) -> str:
 def prefill(model: str | ModelConfig = "tiny", *, cp: int = 2, mode: str = "layersplit", context_len: int = 8192,
             hit: float = 0.9, requests: int = 1, seed: int = 0, ownership: str = "contiguous",
             split: str = "zigzag", trace: bool = False, progress=None, schedule: str = "overlapped",
-            bcast_kv_delay_ms: float = 0.0, host_tier: bool = False, kv_dtype: str = "bf16") -> PrefillReport:
+            bcast_kv_delay_ms: float = 0.0, host_tier: bool = False, kv_dtype: str = "bf16",
+            timeout_s: float = 600.0) -> PrefillReport:
     """Prefill ``requests`` synthetic requests on ``cp`` rank processes and check the result against
     the single-process reference (``max_abs_deviation_vs_reference``; when the kernels are not the
     torch reference, also against the torch-reference engine). ``trace``: keep every rank's trace
@@ -159,27 +312,41 @@ def prefill(model: str | ModelConfig = "tiny", *, cp: int = 2, mode: str = "laye
     ``schedule``: ``overlapped`` (default) or ``legacy`` (one FIFO comm stream); ``bcast_kv_delay_ms``
     stalls every KV broadcast (to see what the schedule hides); ``host_tier``: the cached prefixes are
     reloaded from each rank's host tier layer by layer during the prefill (HiCache). ``kv_dtype``: the MLA
-    cache rows, ``bf16`` (default) or ``fp8`` (the reference then runs fp8 too: same bytes, same numerics).
-    ``progress(stage: str)``: told when each stage starts (the run takes seconds to minutes on a CPU)."""
+    cache rows, ``bf16`` (default) or ``fp8`` (the reference then runs fp8 too; see
+    :mod:`layersplit.engine.engine` for which bytes agree where). ``timeout_s``: how long the rank
+    processes may take (default 600 s; the CLI's ``--timeout-s``), a ``TimeoutError`` naming it after that.
+    ``progress(stage: str)``: told when each stage starts (the run takes seconds to minutes on a CPU).
+
+    Before any process starts: every argument, the ``LAYERSPLIT_*`` variables (as the CLI checks them:
+    ``lsconfig.envs``) and the memory the run needs (:func:`check_memory`), each a ``ValueError`` naming
+    the argument or variable. The report's throughputs: ``new_tokens_per_s`` (the new tokens) and
+    ``request_tokens_per_s`` (every context token, cached prefix included), both per second of the slowest
+    rank's prefill."""
     import torch
 
     from dsa_kernels.dispatch import resolve
+    from lsconfig import envs
     from layersplit.engine.engine import SCHEDULES, EngineConfig, FaultInjection
-    from layersplit.engine.launcher import Scenario, cp_backend, run_cp, run_reference
+    from layersplit.engine.launcher import Scenario, run_cp, run_reference
     from layersplit.engine.requests import synthetic_requests
 
     cfg_model = model if isinstance(model, ModelConfig) else load_model(model)
     check_arguments(cfg_model, cp=cp, mode=mode, ownership=ownership, split=split, requests=requests,
-                    context_len=context_len, hit=hit, seed=seed, kv_dtype=kv_dtype)
+                    context_len=context_len, hit=hit, seed=seed, kv_dtype=kv_dtype, timeout_s=timeout_s)
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule: expected one of {SCHEDULES}, got {schedule!r}")
     if isinstance(bcast_kv_delay_ms, bool) or not isinstance(bcast_kv_delay_ms, (int, float)) \
             or not 0 <= bcast_kv_delay_ms <= 10_000:
         raise ValueError(f"bcast_kv_delay_ms: expected a number in [0, 10000], got {bcast_kv_delay_ms!r}")
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    backend = resolve("indexer_scores", device)[0]
     if not isinstance(host_tier, bool):
         raise ValueError(f"host_tier: expected True or False, got {host_tier!r}")
+    envs.check_all()  # every LAYERSPLIT_* variable, as the CLI checks them, before any process starts
+    envs.check_machine(torch.cuda.is_available())
+    check_memory(cfg_model, cp=cp, mode=mode, ownership=ownership, requests=requests, context_len=context_len,
+                 kv_dtype=kv_dtype)
+    check_fp8_devices(cp, kv_dtype)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    backend = resolve("indexer_scores", device)[0]
     reqs = synthetic_requests(requests, context_len, hit, cfg_model.vocab_size, seed, from_host=host_tier)
     cfg = EngineConfig(mode=mode, cp=cp, ownership=ownership, split=split,
                        pool_pages=requests * -(-context_len // PAGE_SIZE), max_batch_tokens=requests * context_len,
@@ -188,7 +355,12 @@ def prefill(model: str | ModelConfig = "tiny", *, cp: int = 2, mode: str = "laye
     scenario = Scenario("prefill", reqs, cfg)
     say = progress or (lambda stage: None)
     say(f"prefill on {cp} rank process(es) ({mode})")
-    result = run_cp(cfg_model, [scenario], cp, on_ready=lambda: say(f"{cp} rank(s) joined the group, computing"))[0]
+    try:
+        result = run_cp(cfg_model, [scenario], cp, timeout_s=timeout_s,
+                        on_ready=lambda: say(f"{cp} rank(s) joined the group, computing"))[0]
+    except TimeoutError:
+        raise TimeoutError(f"timeout_s: the {cp} rank process(es) gave no result within {timeout_s:g} s (they were "
+                           "ended); raise it: Triton's interpreter, fp8 or a loaded machine can take longer") from None
     say("single-process reference")
     reference = run_reference(cfg_model, scenario)
     vs_torch = None
@@ -196,23 +368,40 @@ def prefill(model: str | ModelConfig = "tiny", *, cp: int = 2, mode: str = "laye
         say("single-process reference on the torch kernels")
         with _kernel_backend("torch"):
             vs_torch = float((result.hidden - run_reference(cfg_model, scenario).hidden).abs().max())
+    return _report(cfg_model, scenario, result, reference, context_len=context_len, hit=hit, host_tier=host_tier,
+                   backend=backend, vs_torch=vs_torch, trace=trace)
+
+
+def _report(model: ModelConfig, scenario, result, reference, *, context_len: int, hit: float, host_tier: bool,
+            backend: str, vs_torch: float | None, trace: bool) -> PrefillReport:
+    """The report of a finished run: its counts, each per run or per rank as :data:`COUNT_SCOPE` says."""
+    import torch
+
+    from layersplit.engine.launcher import cp_backend
+
+    cfg, reqs, rank0 = scenario.cfg, scenario.requests, result.ranks[0]
     new_tokens = sum(len(r.new_tokens) for r in reqs)
+    request_tokens = sum(r.prefix_len + len(r.new_tokens) for r in reqs)
+    shared = cfg.cp > 1  # at cp 1 nothing is broadcast or gathered
     report = PrefillReport(
-        model=cfg_model.name, cp=cp, mode=mode, ownership=ownership, split=split, requests=requests,
-        context_len=context_len, hit=hit, new_tokens=new_tokens, prefill_seconds=result.seconds,
-        tokens_per_s=new_tokens / result.seconds, kv_bytes_per_rank=[r.kv_bytes for r in result.ranks],
-        kv_dtype=kv_dtype, bcast_bytes_per_layer=result.ranks[0].bcast_bytes if cp > 1 else {},
-        bcast_kv_bytes_per_layer=result.ranks[0].bcast_kv_bytes if cp > 1 else {},
+        model=model.name, cp=cfg.cp, mode=cfg.mode, ownership=cfg.ownership, split=cfg.split, requests=len(reqs),
+        context_len=context_len, hit=hit, new_tokens=new_tokens,
+        prefill_seconds=result.seconds, new_tokens_per_s=new_tokens / result.seconds,
+        request_tokens_per_s=request_tokens / result.seconds, kv_bytes_per_rank=[r.kv_bytes for r in result.ranks],
+        kv_dtype=cfg.kv_dtype, bcast_bytes_per_layer=rank0.bcast_bytes if shared else {},
+        bcast_kv_bytes_per_layer=rank0.bcast_kv_bytes if shared else {},
+        allgather_bytes_per_layer=rank0.allgather_bytes, allgather_kv_bytes_per_layer=rank0.allgather_kv_bytes,
         max_abs_deviation_vs_reference=float((result.hidden - reference.hidden).abs().max()),
-        measured_on=f"cuda ({cp_backend(cp)})" if torch.cuda.is_available() else "cpu (gloo, emulated streams)",
-        schedule=schedule, host_tier=host_tier, kernel_backend=backend, max_abs_deviation_vs_torch_engine=vs_torch,
-        indexer_waits_for_kv_bcast=_kv_order_summary(result),
+        measured_on=f"cuda ({cp_backend(cfg.cp)})" if torch.cuda.is_available() else "cpu (gloo, emulated streams)",
+        schedule=cfg.schedule, host_tier=host_tier, kernel_backend=backend,
+        max_abs_deviation_vs_torch_engine=vs_torch, indexer_waits_for_kv_bcast=_kv_order_summary(result),
         bcast_wait_ms_per_rank=[round(r.bcast_wait_s * 1e3, 3) for r in result.ranks],
         trace_events=[e for r in result.ranks for e in r.trace] if trace else [])
-    if result.ranks[0].hazards is not None:  # LAYERSPLIT_SANITIZE=1: every rank and the reference
+    if rank0.hazards is not None:  # LAYERSPLIT_SANITIZE=1: every rank and the reference
         hazards = sorted({h for r in [*result.ranks, *reference.ranks] for h in r.hazards})
         report.sanitizer_hazards, report.sanitizer_hazard_list = len(hazards), hazards
     return report
 
 
-__all__ = ["PrefillReport", "available_memory_bytes", "cache_bytes", "check_arguments", "prefill", "weight_bytes"]
+__all__ = ["PrefillReport", "available_memory_bytes", "cache_bytes", "check_arguments", "check_memory",
+           "check_fp8_devices", "gpu_capabilities", "gpu_memory_bytes", "prefill", "rank_cache_bytes", "weight_bytes"]

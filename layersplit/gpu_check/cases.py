@@ -1,6 +1,7 @@
 """Kernel cases of the GPU check: one :class:`OpCase` per op and shape, with the check that fits it
-(exact equality for layouts and gathers, the kernel tests' tolerances for indexer and attention) and
-the FLOP or byte count of one call. Used by :mod:`layersplit.gpu_check.run`."""
+(exact equality for layouts and gathers, the kernel tests' tolerances for indexer and attention; for
+sparse MLA over the fp8 cache also relative RMS and cosine against the bf16 cache's output) and the
+FLOP or byte count of one call. Used by :mod:`layersplit.gpu_check.run`."""
 
 from __future__ import annotations
 
@@ -53,6 +54,9 @@ class OpCase:
     peak: str
     fixed: Callable | None = None  # ops outside the dispatch (torch only)
     kernel: Callable[[str], str] | None = None  # backend -> the kernel that really runs (vendor may fall back)
+    refused: Callable[[str], str | None] | None = None  # backend -> why this device refuses it (a capability gate)
+    bytes_read: int | None = None  # a FLOP case's bytes read too (``bytes_formula``), compared with HBM
+    bytes_formula: str = ""
 
 
 def _tuple(x) -> tuple:
@@ -112,6 +116,42 @@ def check_sparse_mla(lse_tol: float, device: torch.device) -> Callable[[object, 
         return {"passed": passed, "max_rel_err": out_err, "lse_rel_err": lse_err, "tol": out_tol,
                 "check": f"-inf lse {'same' if inf_ok else 'DIFFERS'}, out {out_err:.1e} <= {out_tol:.0e}, "
                          f"lse {lse_err:.1e} <= {lse_tol:.0e}"}
+    return check
+
+
+E4M3_HALF_ULP = 2.0**-4  # 3 mantissa bits: rounding moves a normal value by at most 2^-4 of it
+# fp8 vs bf16 cache, sparse MLA's out: the values' own error is <= 2^-4 relative and the softmax weights
+# move by the same order (the kernel tests' bound, tests/dsa_kernels/test_sparse_mla_fp8.py)
+FP8_REL_RMS_TOL = 2 * E4M3_HALF_ULP
+FP8_MIN_COS = math.sqrt(1 - FP8_REL_RMS_TOL**2)  # a row within relative error r has cosine >= sqrt(1 - r^2)
+
+
+def check_fp8_vs_bf16(got, bf16) -> dict:
+    """Sparse MLA's ``(out, lse)`` over the fp8 cache against the bf16 cache's over the same rows: NaN
+    and the -inf lse positions first, rows with no valid index 0, then the relative RMS of ``out`` <=
+    ``FP8_REL_RMS_TOL`` and its lowest per-(token, head) cosine >= ``FP8_MIN_COS``."""
+    (out, lse), (w_out, w_lse) = got, bf16
+    out = out.float()
+    live = torch.isfinite(w_lse)  # [T, H]: rows with a valid index
+    inf_ok = _inf_match(lse.float(), w_lse) and not torch.isnan(out).any() and bool((out[~live] == 0).all())
+    rms = float((out - w_out).pow(2).mean().sqrt() / w_out.pow(2).mean().sqrt().clamp_min(1e-30))
+    cos = float(torch.nn.functional.cosine_similarity(out[live], w_out[live], dim=-1).min()) if live.any() else 1.0
+    passed = inf_ok and rms <= FP8_REL_RMS_TOL and cos >= FP8_MIN_COS
+    return {"passed": passed, "rel_rms": rms, "min_cosine": cos, "rel_rms_tol": FP8_REL_RMS_TOL,
+            "min_cosine_tol": FP8_MIN_COS,
+            "check": f"-inf lse and masked rows {'same' if inf_ok else 'DIFFER'}, rel RMS {rms:.1e} <= "
+                     f"{FP8_REL_RMS_TOL:.2g}, min cosine {cos:.4f} >= {FP8_MIN_COS:.4f}"}
+
+
+def check_sparse_mla_fp8(lse_tol: float, device: torch.device, bf16: Callable[[], tuple]) -> Callable:
+    """The fp8-cache result against the torch reference over the same bytes (``check_sparse_mla``: the
+    path's own dot precision), and against the bf16 cache's result ``bf16()`` within fp8's error."""
+    same_bytes = check_sparse_mla(lse_tol, device)
+
+    def check(got, want, backend: str = "torch") -> dict:
+        exact, vs_bf16 = same_bytes(got, want, backend), check_fp8_vs_bf16(got, bf16())
+        return exact | {"passed": exact["passed"] and vs_bf16["passed"], "fp8_vs_bf16": vs_bf16,
+                        "check": f"{exact['check']}; vs bf16 cache: {vs_bf16['check']}"}
     return check
 
 
@@ -222,11 +262,22 @@ def indexer_cases(s: Shapes, dev: torch.device, gen: torch.Generator) -> list[Op
 
 
 def sparse_mla_cases(s: Shapes, dev: torch.device, gen: torch.Generator) -> list[OpCase]:
-    """FLOPs = ``2 * H * (576 + 512) * valid`` (q.k over L+R, p.v over L) per valid (token, index) pair;
-    row 0 is half -1 padding and row 1 fully masked, as edge cases."""
+    """The bf16 cache, and the same rows packed (``pack_mla_kv``, the reference) into the fp8 layout,
+    read with the same q and indices; row 0 is half -1 padding and row 1 fully masked, as edge cases.
+
+    FLOPs = ``2 * H * ((L+R) + L) * valid`` (q.k over L+R, p.v over L) per valid (token, index) pair;
+    bytes read = ``valid * row_bytes`` (1152 B bf16, 656 B fp8 at GLM-5's 512 + 64) + q + indices.
+    Both dot bf16 operands on a GPU (the fp8 rows dequantized in registers), so both FLOP rates are
+    held to the bf16 peak, and the bytes to HBM's.
+    """
+    from dsa_kernels.layout import mla_row_bytes
+
     t, h, lat, rope, k = s.attn_tokens, s.attn_heads, s.kv_lora_rank, s.rope_dim, s.topk
     q = torch.randn(t, h, lat + rope, generator=gen).to(torch.bfloat16).to(dev)
     kv = torch.randn(s.kv_rows, lat + rope, generator=gen).to(torch.bfloat16).to(dev)
+    kv8 = torch.zeros(s.kv_rows, mla_row_bytes(lat, rope, "fp8"), dtype=torch.uint8, device=dev)
+    _ref("pack_mla_kv", dev)(kv[:, :lat].contiguous(), kv[:, lat:].contiguous(), kv8,
+                             torch.arange(s.kv_rows, device=dev))
     idx = torch.randint(0, s.kv_rows, (t, k), generator=gen, dtype=torch.int32)
     idx[0, k // 2:] = -1
     idx[1] = -1
@@ -234,15 +285,33 @@ def sparse_mla_cases(s: Shapes, dev: torch.device, gen: torch.Generator) -> list
     idx = idx.to(dev)
     scale = 1.0 / math.sqrt(lat + rope)
     lse_tol = 1e-2 if dev.type == "cuda" else 1e-4  # tf32 dots on CUDA
-    return [OpCase("sparse_mla_prefill", f"sparse_mla_prefill T={t} H={h} K={k} L+R={lat + rope}",
-                   lambda: lambda fn: fn(q, kv, idx, scale, lat), check_sparse_mla(lse_tol, dev),
-                   2 * h * (2 * lat + rope) * valid, "FLOP", "2*H*((L+R)+L)*valid_indices", "flops_bf16",
-                   kernel=lambda backend: sparse_mla_kernel(backend, q, kv, idx, lat))]
+    bf16_result = functools.cache(lambda: _ref("sparse_mla_prefill", dev)(q, kv, idx, scale, lat))
+    flops = 2 * h * (2 * lat + rope) * valid
+    cases = []
+    for kv_dtype, cache in (("bf16", kv), ("fp8", kv8)):
+        row = mla_row_bytes(lat, rope, kv_dtype)
+        fp8 = kv_dtype == "fp8"
+        check = check_sparse_mla_fp8(lse_tol, dev, bf16_result) if fp8 else check_sparse_mla(lse_tol, dev)
+        cases.append(OpCase(
+            "sparse_mla_prefill", f"sparse_mla_prefill[{kv_dtype}] T={t} H={h} K={k} L+R={lat + rope} row={row} B",
+            lambda cache=cache: lambda fn: fn(q, cache, idx, scale, lat), check, flops, "FLOP",
+            "2*H*((L+R)+L)*valid_indices", "flops_bf16",
+            kernel=lambda backend, cache=cache: sparse_mla_kernel(backend, q, cache, idx, lat),
+            refused=(lambda backend: None if backend == "torch" else _fp8_refused(kv8)) if fp8 else None,
+            bytes_read=valid * row + q.nbytes + idx.nbytes, bytes_formula=f"valid_indices*{row} + T*H*(L+R)*2 + T*K*4"))
+    return cases
+
+
+def _fp8_refused(kv_cache: torch.Tensor) -> str | None:
+    from dsa_kernels.triton_ops.sparse_mla import fp8_unsupported  # Triton: imported when a case runs
+
+    return fp8_unsupported(kv_cache)
 
 
 def sparse_mla_kernel(backend: str, q, kv, idx, lat: int) -> str:
     """The kernel a sparse-MLA call on ``backend`` really runs: the vendor adapter runs Triton where
-    its gate refuses the call (``vendor.sparse_mla_route``)."""
+    its gate refuses the call (``vendor.sparse_mla_route``), e.g. for every fp8 (uint8) cache:
+    FlashMLA's sparse prefill reads bf16 only."""
     if backend != "vendor":
         return backend
     from dsa_kernels import vendor

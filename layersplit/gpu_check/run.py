@@ -7,8 +7,9 @@ Sections (each a function returning a dict; one that raises is recorded as faile
 2. ``kernels``         every CUDA-shaped case held to its op's input contract on the meta device (any
                        machine), then every ``dsa_kernels`` op through each backend (vendor where
                        importable, naming the kernel that really ran; Triton; torch reference = the
-                       oracle) on GLM-5-sized shapes, checked with the tolerance of the path that ran,
-                       then timed (median of >= 10 after warm-up, CUDA events);
+                       oracle) on GLM-5-sized shapes, checked with the tolerance of the path that ran
+                       (sparse MLA over the bf16 and the fp8 656-byte cache; fp8 also against the bf16
+                       cache's output), then timed (median of >= 10 after warm-up, CUDA events);
 2b. ``vendor``         GPU only: FlashMLA's lse base measured for the installed ``sgl_kernel`` and its
                        gating matrix; FlashInfer top-k vs the torch reference (sets equal up to ties);
 3. ``hicache_stress``  read-before-ready stress on the streams, checked as a valid top-k and as attention
@@ -17,7 +18,9 @@ Sections (each a function returning a dict; one that raises is recorded as faile
 4. ``hicache_overlap`` layer-wise load pipelined under the forward vs serial (pinned host memory);
 5. ``cp_engine``       the LayerSplit prefill engine on 2 ranks (on one GPU: gloo with CUDA tensors,
                        NCCL refuses two ranks per device) against the single-rank reference, held to a
-                       floor measured on this device (:mod:`.agreement`); the happens-before order of
+                       floor measured on this device (:mod:`.agreement`), in bf16 and then in fp8 KV
+                       (:mod:`.cp_dtypes`: seconds, KV bytes broadcast per layer, the kernel each op
+                       runs; fp8 skipped with the reason where it does not fit); the happens-before order of
                        both schedules; the KV-broadcast overlap **measured** in one process on this
                        device's streams with the collectives replaced by link-timed copies
                        (:mod:`.link_overlap`; the 2-process gloo timings on one GPU are host-serialized
@@ -76,7 +79,7 @@ CUDA_SHAPES = Shapes(
     cp_context=4096, link_context=4096,
     # environment: FlashInfer may JIT-build its top-k module there (tens of seconds), outside the timed sections
     estimates_s=(("environment", 30), ("kernels", 100), ("vendor", 20), ("hicache_stress", 60),
-                 ("hicache_overlap", 30), ("cp_engine", 90), ("stream_sanitizer", 120)),
+                 ("hicache_overlap", 30), ("cp_engine", 110), ("stream_sanitizer", 120)),
 )
 DRY_SHAPES = Shapes(
     index_tokens=5, index_heads=4, index_dim=64, context=130, attn_tokens=4, attn_heads=4, kv_lora_rank=128,
@@ -86,7 +89,7 @@ DRY_SHAPES = Shapes(
                   "--layers", "4"),
     cp_context=256, link_context=1024,
     estimates_s=(("environment", 0), ("kernels", 30), ("vendor", 2), ("hicache_stress", 10),
-                 ("hicache_overlap", 5), ("cp_engine", 60), ("stream_sanitizer", 60)),
+                 ("hicache_overlap", 5), ("cp_engine", 70), ("stream_sanitizer", 60)),
 )
 
 
@@ -123,7 +126,7 @@ class Context:
     backends: tuple[str, ...]
     triton_blocked: str | None = None  # why the Triton backend cannot run here, if it cannot
     skipped: list[dict] = field(default_factory=list)  # {"what", "reason", "counts"}, printed at the end
-    floor: dict | None = None  # the cp-vs-reference floor measured on this device (cp_engine; reused)
+    floors: dict[str, dict] = field(default_factory=dict)  # kv_dtype -> the cp-vs-reference floor measured here
 
     @property
     def on_cuda(self) -> bool:
@@ -252,8 +255,12 @@ def _backend_fn(ctx: Context, case: OpCase, backend: str) -> tuple[Callable | No
 
 def _rate(case: OpCase, seconds: float, ctx: Context) -> dict:
     scale, unit = (1e12, "TFLOP/s") if case.unit == "FLOP" else (1e9, "GB/s")
-    return {"achieved": case.work / seconds / scale, "peak": ctx.peaks[case.peak] / scale, "rate_unit": unit,
+    rate = {"achieved": case.work / seconds / scale, "peak": ctx.peaks[case.peak] / scale, "rate_unit": unit,
             "peak_key": case.peak}
+    if case.bytes_read is not None:  # a FLOP case's bytes too, against HBM
+        rate |= {"bytes_read": case.bytes_read, "bytes_formula": case.bytes_formula,
+                 "read_GBps": case.bytes_read / seconds / 1e9, "hbm_peak_GBps": ctx.peaks["hbm"] / 1e9}
+    return rate
 
 
 def run_case(ctx: Context, case: OpCase, backend: str, fn: Callable, want) -> dict:
@@ -268,7 +275,9 @@ def run_case(ctx: Context, case: OpCase, backend: str, fn: Callable, want) -> di
     seconds = median_seconds(lambda: run(fn), ctx.device, ctx.shapes.warmup, ctx.shapes.repeats)
     row |= {"median_ms": seconds * 1e3, "repeats": ctx.shapes.repeats} | _rate(case, seconds, ctx)
     log(f"{case.label:<52} {row['kernel'][:40]:<6} {'ok' if row['passed'] else 'FAILED':<6} {row['median_ms']:9.3f} ms "
-        f"{row['achieved']:9.3f} {row['rate_unit']} (H200 {case.peak} {row['peak']:.0f}) {row['check']}")
+        f"{row['achieved']:9.3f} {row['rate_unit']} (H200 {case.peak} {row['peak']:.0f})"
+        + (f" {row['read_GBps']:.3f} GB/s read (H200 hbm {row['hbm_peak_GBps']:.0f})" if "read_GBps" in row else "")
+        + f" {row['check']}")
     return row
 
 
@@ -282,6 +291,10 @@ def _run_op(ctx: Context, case: OpCase, rows: list[dict], budget: Deadline, no_v
         elif fn is None and reason:
             ctx.skip(f"kernels: {case.op} [{backend}]", reason)
         if fn is None:
+            continue
+        refused = case.refused(backend) if case.refused else None
+        if refused:  # this device cannot run the path (the fp8 kernel below sm89): not a check this mode holds
+            ctx.skip(f"kernels: {case.label} [{backend}]", refused, counts=False)
             continue
         if not budget.allows(0):
             ctx.skip(f"kernels: {case.label} [{backend}]", budget.why_not(0))
@@ -419,43 +432,22 @@ def _tiny_scenario(n: int):
     return model, Scenario("gpu-check", requests, cfg)
 
 
-def device_floor(ctx: Context, model, scenario, reference: torch.Tensor) -> dict:
-    """The reference against itself at other row splits, measured once per check (:mod:`.agreement`)."""
-    from layersplit.gpu_check.agreement import row_split_floor
-
-    if ctx.floor is None:
-        ctx.floor = row_split_floor(model, scenario, reference)
-    return ctx.floor
-
-
-def _cp2(ctx: Context, model, scenario, ref) -> dict:
-    """cp=2 in two processes (gloo with CUDA tensors on one GPU) against the reference and the floor."""
-    from dsa_kernels.dispatch import resolve
-    from layersplit.engine.launcher import cp_backend, run_cp
-    from layersplit.gpu_check.agreement import agreement
-
-    res = run_cp(model, [scenario], 2, timeout_s=max(30.0, min(300.0, ctx.deadline.left())))[0]
-    floor = device_floor(ctx, model, scenario, ref.hidden)
-    out = agreement(res.hidden, ref.hidden, floor["floor"]) | {
-        "seconds": res.seconds, "backend": cp_backend(2), "floor_by_row_blocks": floor["by_row_blocks"],
-        "kernel_backend": resolve("indexer_scores", ctx.device)[0]}
-    return out | {"status": "ok" if out["passed"] else "failed"}
-
-
 def section_cp_engine(ctx: Context) -> dict:
-    """Tiny model, one request with a 90% cached prefix: cp=2 LayerSplit vs the single-rank reference,
-    the schedules' happens-before order, the KV-broadcast overlap measured on this device's streams."""
+    """Tiny model, one request with a 90% cached prefix: cp=2 LayerSplit vs the single-rank reference
+    in bf16 (then in fp8, last, where it fits: :mod:`.cp_dtypes`), the schedules' happens-before order,
+    the KV-broadcast overlap measured on this device's streams."""
     from layersplit.engine.launcher import cp_backend, run_reference
-    from layersplit.gpu_check import link_overlap
+    from layersplit.gpu_check import cp_dtypes, link_overlap
     from layersplit.gpu_check.overlap import fp8_key_bytes, overlap_probe
 
     n = ctx.shapes.cp_context
     model, scenario = _tiny_scenario(n)
+    t0 = time.perf_counter()
     ref = run_reference(model, scenario)
-    new = sum(len(r.new_tokens) for r in scenario.requests)
-    out = {"model": model.name, "context": n, "new_tokens": new,
-           "reference": {"seconds": ref.seconds, "tokens_per_s": new / ref.seconds}}
-    out["cp2"] = _cp2(ctx, model, scenario, ref)
+    out = {"model": model.name, "context": n, "new_tokens": sum(len(r.new_tokens) for r in scenario.requests),
+           "reference": cp_dtypes.rates(scenario, ref.seconds)}
+    out["cp2"] = cp_dtypes.cp2(ctx, model, scenario, ref, max(30.0, min(300.0, ctx.deadline.left())))
+    out["cp2"]["wall_s"] = bf16_cost = time.perf_counter() - t0  # reference, floor and cp=2: the fp8 run's estimate
     # both schedules in two processes: the happens-before order of the issued program (device-independent)
     out["happens_before"] = overlap_probe(n, max(30.0, min(300.0, ctx.deadline.left())))
     if torch.cuda.is_available() and cp_backend(2) != "nccl":
@@ -467,12 +459,15 @@ def section_cp_engine(ctx: Context) -> dict:
     out["overlap"] = link_overlap.measure(ctx.shapes.link_context, runtime="cuda" if ctx.on_cuda else "emulated")
     out["overlap_required"] = ctx.on_cuda
     keys = out["fp8_key_bytes_triton_vs_torch"] = fp8_key_bytes(ctx.device)
+    out["cp2_fp8"] = cp_dtypes.fp8_run(ctx, model, scenario, out["cp2"], bf16_cost, ctx.reserve_after("cp_engine"))
     hb = out["happens_before"]
     legacy = hb["legacy"]["indexer_after_kv_bcast"].split(" of ")
     order_ok = hb["overlapped"]["indexer_after_kv_bcast"].startswith("0 of") and legacy[0] == legacy[1] != "0"
     overlap_ok = out["overlap"]["passed"] or not ctx.on_cuda
-    out["passed"] = out["cp2"]["passed"] and order_ok and overlap_ok and keys["passed"]
-    out["summary"] = (f"cp=2 ({out['cp2']['backend']}, kernels {out['cp2']['kernel_backend']}) {out['cp2']['check']}; "
+    fp8_ok = out["cp2_fp8"]["status"] != "failed"  # skipped: recorded in the skip list (the verdict says so)
+    out["passed"] = out["cp2"]["passed"] and fp8_ok and order_ok and overlap_ok and keys["passed"]
+    out["summary"] = (f"cp=2 ({out['cp2']['backend']}): {cp_dtypes.summary(out['cp2'])}; "
+                      f"{cp_dtypes.summary(out['cp2_fp8'])}; "
                       f"indexer after the KV broadcast: overlapped {hb['overlapped']['indexer_after_kv_bcast']}, "
                       f"legacy {hb['legacy']['indexer_after_kv_bcast']} (happens-before); "
                       f"overlap measured: {out['overlap']['summary']}; fp8 key bytes differing "

@@ -10,3 +10,4 @@ SCHEDULES = ("overlapped", "legacy")
 # the CP engine's MLA cache rows (:mod:`dsa_kernels.layout`): bf16, or fp8 (e4m3 latent + fp32 tile scales +
 # bf16 rope, as uint8 rows), in every pool, scratch slot, host tier and broadcast
 ENGINE_KV_DTYPES = ("bf16", "fp8")
+TIMEOUT_MAX_S = 7 * 24 * 3600  # a rank-process timeout above a week is a typo, not a plan (`prefill --timeout-s`)

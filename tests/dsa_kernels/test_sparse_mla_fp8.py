@@ -2,6 +2,8 @@
 
 Triton (rows dequantized in registers) against the torch reference (rows dequantized by
 ``unpack_mla_kv``), and the fp8 op against the bf16 op on the same latent rows, within e4m3's error.
+The Triton launcher's sm89 gate (refused before any launch below it) and the fp8 path's 8 warps are
+driven on CPU through its capability seam.
 """
 
 from __future__ import annotations
@@ -216,3 +218,88 @@ def test_every_e4m3_byte_dequantizes_as_torch(backend, device):
     out, _ = op("sparse_mla_prefill", backend, device)(q.to(device), cache.to(device), idx.to(device), 0.1, lat)
     want = cache[:, :lat].view(torch.float8_e4m3fn).float() * scales[:, None]
     assert torch.equal(out.cpu()[:, 0], want)
+
+
+# the sm89 gate and the fp8 launch width (``triton_ops.sparse_mla``), driven on CPU through the launcher's
+# capability seam: the interpreter runs the kernel whatever the fake device says
+
+class LaunchRecorder:
+    """Stands in for the ``@triton.jit`` kernel: records each launch's ``num_warps``, then launches the
+    real kernel (``refuse``: fails the test if anything launches at all)."""
+
+    def __init__(self, kernel, refuse: bool = False):
+        self.kernel, self.refuse, self.num_warps = kernel, refuse, []
+
+    def __getitem__(self, grid):
+        assert not self.refuse, "the kernel was launched: the gate must refuse before any launch"
+
+        def launch(*args, **kwargs):
+            self.num_warps.append(kwargs["num_warps"])
+            return self.kernel[grid](*args, **kwargs)
+        return launch
+
+
+@pytest.fixture
+def fake_sm(monkeypatch):
+    """``fake_sm(major, minor)``: the Triton launcher sees its tensors on a CUDA device of that capability."""
+    from dsa_kernels.triton_ops import sparse_mla
+
+    def set_sm(major: int, minor: int) -> None:
+        monkeypatch.setattr(sparse_mla, "_cuda_capability", lambda t: (major, minor))
+    return set_sm
+
+
+def _launcher_with_recorder(monkeypatch, refuse: bool = False) -> LaunchRecorder:
+    from dsa_kernels.triton_ops import sparse_mla
+
+    recorder = LaunchRecorder(sparse_mla._sparse_mla_prefill_kernel, refuse)
+    monkeypatch.setattr(sparse_mla, "_sparse_mla_prefill_kernel", recorder)
+    return recorder
+
+
+@pytest.mark.parametrize("sm", [(8, 6), (8, 0), (7, 5)], ids=["sm86", "sm80", "sm75"])
+def test_fp8_cache_refused_below_sm89_before_launch(monkeypatch, fake_sm, sm):
+    q, bf16, fp8, idx = build(3, 2, 8, 128, 16, 40, seed=5)
+    fake_sm(*sm)
+    _launcher_with_recorder(monkeypatch, refuse=True)
+    want = (rf"kv_cache: the fp8 KV cache \(uint8 rows, e4m3 read as tl.float8e4nv\) needs sm89\+ "
+            rf"\(Ada/Hopper/Blackwell\), got sm{sm[0]}{sm[1]} on device cpu; run with --kv-dtype bf16")
+    with pytest.raises(ValueError, match=want):
+        op("sparse_mla_prefill", "triton", CPU)(q, fp8, idx, 0.1, 128)
+    op("sparse_mla_prefill", "torch", CPU)(q, fp8, idx, 0.1, 128)  # the reference reads fp8 anywhere
+
+
+def test_bf16_cache_not_gated_and_keeps_four_warps(monkeypatch, fake_sm):
+    from dsa_kernels.triton_ops.sparse_mla import BF16_NUM_WARPS
+
+    q, bf16, _, idx = build(3, 2, 8, 128, 16, 40, seed=5)
+    fake_sm(8, 6)
+    recorder = _launcher_with_recorder(monkeypatch)
+    out, lse = op("sparse_mla_prefill", "triton", CPU)(q, bf16, idx, 0.1, 128)
+    assert recorder.num_warps == [BF16_NUM_WARPS] == [4]
+    want_out, want_lse = op("sparse_mla_prefill", "torch", CPU)(q, bf16, idx, 0.1, 128)
+    assert_same_inf(lse, want_lse)
+    assert (out.float() - want_out).abs().max() <= 2 * torch.finfo(torch.bfloat16).eps * want_out.abs().max()
+
+
+@pytest.mark.parametrize("sm", [(8, 9), (9, 0), (10, 0), (12, 0)], ids=["sm89", "sm90", "sm100", "sm120"])
+def test_fp8_cache_passes_the_gate_on_sm89_plus_with_eight_warps(monkeypatch, fake_sm, sm):
+    """Past the gate the fp8 path launches with ``FP8_NUM_WARPS`` = 8 (sm90's ptxas spills 220/204 B
+    at 4 warps, 12/8 B at 8) and gives the result of an ungated launch, bit for bit."""
+    from dsa_kernels.triton_ops.sparse_mla import FP8_NUM_WARPS
+
+    q, _, fp8, idx = build(3, 17, 33, 256, 32, 90, seed=6)  # two head blocks, a K tail, two latent tiles
+    plain = op("sparse_mla_prefill", "triton", CPU)(q, fp8, idx, 0.1, 256)
+    fake_sm(*sm)
+    recorder = _launcher_with_recorder(monkeypatch)
+    out, lse = op("sparse_mla_prefill", "triton", CPU)(q, fp8, idx, 0.1, 256)
+    assert recorder.num_warps == [FP8_NUM_WARPS] == [8]
+    assert torch.equal(out, plain[0]) and torch.equal(lse, plain[1])
+
+
+def test_gate_reads_the_real_capability_only_on_cuda():
+    """Off CUDA the seam answers None (nothing to gate: the interpreter, the CPU reference path)."""
+    from dsa_kernels.triton_ops.sparse_mla import _cuda_capability, fp8_unsupported
+
+    cache = torch.zeros(4, 164, dtype=torch.uint8)
+    assert _cuda_capability(cache) is None and fp8_unsupported(cache) is None

@@ -1,5 +1,6 @@
 """The vendor tier's gates, on CPU with fake vendor modules: which calls reach FlashMLA / FlashInfer,
-which fall back (and log once), how FlashMLA's lse is converted, how top-k sets compare."""
+which fall back (and log once), how FlashMLA's lse is converted, how top-k sets compare, and the
+fp8 cache's fallback to Triton meeting the launcher's sm89 gate on the same fake device."""
 
 from __future__ import annotations
 
@@ -72,10 +73,14 @@ def fake_flashinfer(calls: list) -> types.ModuleType:
 
 @pytest.fixture
 def fake_gpu(monkeypatch):
-    """CPU tensors pass for CUDA ones on an sm90 device; caches and the one-time log are reset."""
-    state = {"sm": 9, "mla_calls": [], "fi_calls": []}
+    """CPU tensors pass for CUDA ones on an sm90 device (``sm``.``minor``), for the vendor gates and for
+    the Triton fallback's fp8 gate alike; caches and the one-time log are reset."""
+    from dsa_kernels.triton_ops import sparse_mla as triton_mla
+
+    state = {"sm": 9, "minor": 0, "mla_calls": [], "fi_calls": []}
     monkeypatch.setattr(vendor, "_on_cuda", lambda t: True)
-    monkeypatch.setattr(vendor, "_capability", lambda dev: (state["sm"], 0))
+    monkeypatch.setattr(vendor, "_capability", lambda dev: (state["sm"], state["minor"]))
+    monkeypatch.setattr(triton_mla, "_cuda_capability", lambda t: (state["sm"], state["minor"]))
     monkeypatch.setitem(sys.modules, "flashinfer", fake_flashinfer(state["fi_calls"]))
     install_fake_flash_mla(monkeypatch, "0.3.legacy", 2.0, state["mla_calls"], state)
     vendor.flash_mla_lse_base.cache_clear()
@@ -136,6 +141,38 @@ def test_flash_mla_gating_matrix(fake_gpu, name, sm, t, h, k, lat, rope, q_dtype
     assert torch.isneginf(lse[1]).all() and torch.equal(torch.isinf(lse), torch.isinf(want_lse))
     finite = torch.isfinite(want_lse)
     assert (lse[finite] - want_lse[finite]).abs().max() < 1e-3  # natural log either way
+    assert (out.float() - want_out).abs().max() <= 2 * torch.finfo(torch.bfloat16).eps * want_out.abs().max()
+
+
+def fp8_inputs(t=2, h=16, k=64, rows=200):
+    """GLM-5-shaped q and indices over the same rows packed in the 656-byte fp8 layout."""
+    q, kv, idx = mla_inputs(t, h, k, 512, 64, rows)
+    fp8 = torch.zeros(rows, 656, dtype=torch.uint8)
+    pack = dispatch.resolve("pack_mla_kv", "cpu", "torch")[1]
+    pack(kv[:, :512].float().contiguous(), kv[:, 512:].float().contiguous(), fp8, torch.arange(rows))
+    return q, fp8, idx
+
+
+@pytest.mark.parametrize("sm", [(8, 6), (8, 0)], ids=["sm86", "sm80"])
+def test_fp8_fallback_refused_below_sm89(fake_gpu, sm):
+    """The vendor adapter sends an fp8 cache to Triton (FlashMLA's sparse prefill reads bf16 only),
+    whose launcher refuses it below sm89 before any launch: field, expected, got, what to do."""
+    fake_gpu["sm"], fake_gpu["minor"] = sm
+    q, fp8, idx = fp8_inputs()
+    with pytest.raises(ValueError, match=rf"kv_cache: the fp8 KV cache .* needs sm89\+ \(Ada/Hopper/Blackwell\), "
+                                         rf"got sm{sm[0]}{sm[1]} on device cpu; run with --kv-dtype bf16"):
+        vendor.sparse_mla_prefill(q, fp8, idx, 0.07, 512)
+    assert fake_gpu["mla_calls"] == []
+
+
+@pytest.mark.parametrize("sm", [(8, 9), (9, 0), (10, 0)], ids=["sm89", "sm90", "sm100"])
+def test_fp8_fallback_runs_triton_on_sm89_plus(fake_gpu, sm):
+    fake_gpu["sm"], fake_gpu["minor"] = sm
+    q, fp8, idx = fp8_inputs()
+    out, lse = vendor.sparse_mla_prefill(q, fp8, idx, 0.07, 512)
+    want_out, want_lse = reference_mla(q, fp8, idx, 0.07, 512)
+    assert [c for c in fake_gpu["mla_calls"] if c[0][0] == 2] == []  # never FlashMLA (the probe: T = 4)
+    assert torch.isneginf(lse[1]).all() and torch.equal(torch.isinf(lse), torch.isinf(want_lse))
     assert (out.float() - want_out).abs().max() <= 2 * torch.finfo(torch.bfloat16).eps * want_out.abs().max()
 
 

@@ -25,13 +25,13 @@ def test_readme_example_runs(capsys):
     exec(compile(code, "README.md", "exec"), {})
     out = capsys.readouterr().out.splitlines()
     assert re.fullmatch(r"LayerSplit holds \d+\.\d{3}x the tokens of redundant CP", out[0])
-    m = re.fullmatch(r"([\d,]+) tokens/s, max deviation (\S+)", out[1])
+    m = re.fullmatch(r"([\d,]+) new tokens/s, max deviation (\S+)", out[1])
     assert m and float(m.group(2)) <= 1e-3
 
 
 def _check_output(out: list[str]) -> None:
     assert re.fullmatch(r"LayerSplit holds \d+\.\d{3}x the tokens of redundant CP", out[0]), out
-    m = re.fullmatch(r"([\d,]+) tokens/s, max deviation (\S+)", out[1])
+    m = re.fullmatch(r"([\d,]+) new tokens/s, max deviation (\S+)", out[1])
     assert m and float(m.group(2)) <= 1e-3, out
 
 
@@ -81,6 +81,30 @@ def test_import_is_light():
 def test_prefill_rejects_bad_arguments_before_work(kwargs, message):
     with pytest.raises(ValueError) as info:
         layersplit.prefill("tiny", **kwargs)
+    assert message in str(info.value)
+
+
+@pytest.mark.parametrize("env,message,cpu_only", [
+    ({"LAYERSPLIT_KERNEL_BACKEND": "fast"}, "LAYERSPLIT_KERNEL_BACKEND: expected one of", False),
+    ({"LAYERSPLIT_SANITISE": "1"}, "LAYERSPLIT_SANITISE: expected one of the known variables", False),
+    ({"LAYERSPLIT_SANITIZE": "maybe"}, "LAYERSPLIT_SANITIZE: expected 1/true/yes/on", False),
+    ({"LAYERSPLIT_CP_BACKEND": "nccl"}, "LAYERSPLIT_CP_BACKEND: expected auto or gloo on a machine without CUDA", True),
+    ({"LAYERSPLIT_KERNEL_BACKEND": "triton", "TRITON_INTERPRET": "0"},
+     "LAYERSPLIT_KERNEL_BACKEND: 'triton' on a machine without CUDA needs", True),
+], ids=["bad-value", "unknown-name", "bad-flag", "nccl-without-cuda", "triton-without-interpreter"])
+def test_prefill_checks_the_environment_as_the_cli_does(env, message, cpu_only, monkeypatch):
+    """The API runs the CLI's up-front check of the ``LAYERSPLIT_*`` variables (``lsconfig.envs``), before
+    any process starts (the GPU-memory probe included). ``cpu_only``: what a machine with CUDA honours."""
+    import torch
+
+    if cpu_only and torch.cuda.is_available():
+        pytest.skip("a machine with CUDA honours this")
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setattr("layersplit.engine.launcher.run_cp", lambda *a, **k: pytest.fail("a rank process started"))
+    monkeypatch.setattr("layersplit.engine.prefill.gpu_memory_bytes", lambda n: pytest.fail("the GPU probe started"))
+    with pytest.raises(ValueError) as info:
+        layersplit.prefill("tiny", cp=2, context_len=300)
     assert message in str(info.value)
 
 

@@ -153,7 +153,15 @@ CASES = [
      "layersplit prefill: error: --context-len/--context: expected one value for one setting, got --context-len 64 "
      "and --context 128"),
     ("alias-hidden-loads", ["stress", "hicache", "--iterations", "5", "--loads", "6"], {}, 2, "--iterations/--loads"),
+    ("prefill-timeout-zero", [*PREFILL, "--timeout-s", "0"], {}, 2,
+     "layersplit prefill: error: argument --timeout-s: expected a number in (0, 604800], got 0"),
+    ("prefill-timeout-nan", [*PREFILL, "--timeout-s", "nan"], {}, 2, "argument --timeout-s: expected a number in (0, "),
+    ("prefill-timeout-huge", [*PREFILL, "--timeout-s", "1e9"], {}, 2, "argument --timeout-s: expected a number in (0, "),
+    ("prefill-timeout-word", [*PREFILL, "--timeout-s", "soon"], {}, 2, "--timeout-s: expected a number in (0, 604800], "
+     "got 'soon'"),
     # 4. nothing silently dropped: one flag given twice with different values, in every parser
+    ("twice-prefill-timeout", [*PREFILL, "--timeout-s", "60", "--timeout-s", "90"], {}, 2,
+     "layersplit prefill: error: argument --timeout-s: given twice (60.0, then 90.0): give it once"),
     ("twice-prefill-cp", [*PREFILL, "--cp", "4"], {}, 2,
      "layersplit prefill: error: argument --cp: given twice (2, then 4): give it once"),
     ("twice-sweep-config", ["sweep", "--config", "cpu", "--config", "glm5-h200"], {}, 2,
@@ -282,6 +290,9 @@ def pretend_machine(monkeypatch) -> None:
     for where in ("layersplit.engine.prefill", "layersplit.api"):
         monkeypatch.setattr(f"{where}.available_memory_bytes", lambda: MACHINE["host_bytes"])
     monkeypatch.setattr(resources, "gpu_free_bytes", lambda ranks: MACHINE["gpu_free_bytes"][:ranks])
+    # prefill's own device checks (tests/layersplit/cli/test_prefill_cmd.py) see no GPU here, on any machine
+    monkeypatch.setattr("layersplit.engine.prefill.gpu_memory_bytes", lambda devices: None)
+    monkeypatch.setattr("layersplit.engine.prefill.gpu_capabilities", lambda devices: None)
 
 
 @pytest.fixture

@@ -57,3 +57,19 @@ def test_errors():
         plan_batch([Request(5, ())], pool.pool.allocator.alloc, 2)
     with pytest.raises(ValueError, match="split: expected one of"):
         plan_batch([Request(5, (1,))], pool.pool.allocator.alloc, 2, split="random")
+
+
+@pytest.mark.parametrize("kv_dtype", ["bf16", "fp8"])
+@pytest.mark.parametrize("mode,cp,ownership", [("layersplit", 2, "contiguous"), ("layersplit", 3, "round-robin"),
+                                               ("layersplit", 8, "contiguous"), ("layersplit", 1, "contiguous"),
+                                               ("redundant", 2, "contiguous")])
+def test_rank_cache_bytes_is_what_the_pools_allocate(mode, cp, ownership, kv_dtype):
+    """The memory check's arithmetic (``rank_cache_bytes``, computed before anything is allocated) equals
+    the largest rank's allocation, pool and scratch slots."""
+    from layersplit.engine.prefill import rank_cache_bytes
+
+    model, pages, scratch = load_model("tiny"), 7, scratch_pages_for(448, 2)
+    own = plan_ownership(model.num_layers, cp, ownership)
+    pools = [CPPool(mode, cache_spec(model, kv_dtype), pages, r, own, scratch) for r in range(cp)]
+    assert max(p.kv_bytes()["total"] for p in pools) == rank_cache_bytes(
+        model, cp=cp, mode=mode, ownership=ownership, pool_pages=pages, scratch_pages=scratch, kv_dtype=kv_dtype)

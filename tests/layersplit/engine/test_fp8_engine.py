@@ -1,12 +1,14 @@
 """fp8 KV in the CP engine: the bytes it moves, and how far its output is from the bf16 engine's.
 
-CP 1, 2 and 4 against the single-process fp8 reference, sanitized, are in ``test_sanitized_engine``
-(torch kernels) and ``test_triton_engine`` (Triton kernels, interpreted); here:
+CP 1, 2 and 4 against the single-process fp8 reference, sanitized, with the new rows' all-gather bytes
+against the layout, are in ``test_sanitized_engine`` (torch kernels) and ``test_triton_engine`` (Triton
+kernels, interpreted); the new rows' pack / gather / land byte for byte in ``test_new_rows``; here:
 
 * **bytes**: a fp8 MLA row is ``mla_row_bytes(L, R, "fp8")`` = ``L + 4L/128 + 2R`` (656 B at GLM-5's
   512 + 64, against 1152 B in bf16; the tiny model's 128 + 16 gives 164 / 288, the same ratio). The KV
-  part of every layer's broadcast, the owned pool and the host-tier reload shrink by exactly that ratio;
-  the indexer keys (fp8 for both dtypes) do not change. Exact integer checks: data movement.
+  part of every layer's broadcast and all-gather, the owned pool and the host-tier reload shrink by
+  exactly that ratio; the indexer keys (fp8 for both dtypes) do not change. Exact integer checks: data
+  movement.
 * **numerics**: fp8 vs bf16 engine output, by relative RMS and per-row cosine (fp8's check), NaN first.
 """
 
@@ -25,6 +27,7 @@ from layersplit.engine.engine import EngineConfig
 from layersplit.engine.launcher import Scenario, run_cp, run_reference
 from layersplit.plan.config import load_model
 from layersplit.plan.ownership import plan_ownership
+from tests.layersplit.engine.agreement import assert_matches_reference
 
 TINY = load_model("tiny")
 DTYPES = ("bf16", "fp8")
@@ -65,7 +68,7 @@ def test_kv_dtype_checked_before_work(capsys):
 @lru_cache(maxsize=None)
 def cp2_runs() -> dict[str, tuple]:
     scs = [Scenario(d, REQUESTS, _cfg(d)) for d in DTYPES]
-    return {sc.name: (res, run_reference(TINY, sc)) for sc, res in zip(scs, run_cp(TINY, scs, 2))}
+    return {sc.name: (sc, res, run_reference(TINY, sc)) for sc, res in zip(scs, run_cp(TINY, scs, 2))}
 
 
 @pytest.mark.timeout(300)
@@ -75,7 +78,7 @@ def test_fp8_moves_656_of_1152_of_the_kv_bytes():
     rows = sum(-(-r.prefix_len // 64) for r in REQUESTS) * 64  # the prefix pages the batch reads
     own = plan_ownership(TINY.num_layers, 2, "contiguous")
     host_rows = -(-REQUESTS[0].prefix_len // 64) * 64  # the host-tier prefix, reloaded per owned layer
-    for b, f in zip(runs["bf16"][0].ranks, runs["fp8"][0].ranks):
+    for b, f in zip(runs["bf16"][1].ranks, runs["fp8"][1].ranks):
         assert f.bcast_kv_bytes == {layer: rows * ROW["fp8"] for layer in range(TINY.num_layers)}
         assert {layer: n * 656 for layer, n in b.bcast_kv_bytes.items()} == \
                {layer: n * 1152 for layer, n in f.bcast_kv_bytes.items()}
@@ -86,9 +89,13 @@ def test_fp8_moves_656_of_1152_of_the_kv_bytes():
         assert sorted(f.reload_bytes_by_layer) == list(own.owned_layers(f.rank))
         for layer, n in f.reload_bytes_by_layer.items():
             assert b.reload_bytes_by_layer[layer] - n == host_rows * (ROW["bf16"] - ROW["fp8"])
-    for dtype, (res, ref) in runs.items():  # each against the single-process reference of its dtype
-        assert not torch.isnan(res.hidden).any(), dtype
-        assert float((res.hidden - ref.hidden).abs().max()) <= 1e-4 * float(ref.hidden.abs().max()), dtype
+        assert {layer: n * ROW["fp8"] for layer, n in b.allgather_kv_bytes.items()} == \
+               {layer: n * ROW["bf16"] for layer, n in f.allgather_kv_bytes.items()}
+        keys = {layer: n - f.allgather_kv_bytes[layer] for layer, n in f.allgather_bytes.items()}
+        assert keys == {layer: n - b.allgather_kv_bytes[layer] for layer, n in b.allgather_bytes.items()}
+        assert sorted(layer for layer, n in keys.items() if n) == list(TINY.indexer_layer_ids)
+    for dtype, (sc, res, ref) in runs.items():  # each against the single-process reference of its dtype
+        assert_matches_reference(TINY, sc, res, ref, dtype)
 
 
 def _fp8_vs_bf16(num_layers: int) -> tuple[float, float]:
@@ -129,3 +136,6 @@ def test_prefill_cli_runs_fp8(capsys):
     assert report["kv_dtype"] == "fp8" and report["max_abs_deviation_vs_reference"] <= 1e-3
     rows = -(-150 // 64) * 64  # the cached half, whole pages
     assert report["bcast_kv_bytes_per_layer"] == {str(layer): rows * ROW["fp8"] for layer in range(TINY.num_layers)}
+    new_rows = -(-150 // 2)  # the largest rank's share of the 150 new tokens (zigzag over 2 ranks)
+    assert report["allgather_kv_bytes_per_layer"] == {str(layer): new_rows * ROW["fp8"]
+                                                      for layer in range(TINY.num_layers)}

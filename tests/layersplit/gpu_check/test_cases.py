@@ -7,6 +7,10 @@
   FlashMLA, and the vendor adapter's Triton fallback) get bf16's tolerance, not fp32 q's 1e-5.
 * A vendor row names the kernel that really ran (the adapter falls back to Triton where the gate refuses).
 * The vendor section with neither FlashMLA nor FlashInfer importable did not run: skipped, not ok.
+* Sparse MLA over the fp8 (656-byte) cache: the same bytes as the reference (the path's tolerance),
+  and within fp8's error of the bf16 cache's output (relative RMS, cosine; NaN and -inf first), with
+  teeth; its kernel is Triton on the vendor backend too; below sm89 it is skipped, not run; FLOPs and
+  the 656-byte rows read are counted.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from layersplit.gpu_check.run import CUDA_SHAPES, DRY_SHAPES
 def test_every_case_within_its_op_contract(shapes):
     result = cases.check_case_contracts(shapes)
     assert result["errors"] == [] and result["passed"]
-    assert len(result["cases"]) == 11  # 2 index-key, 4 MLA KV, 2 indexer, 1 sparse MLA, 2 paged copy
+    assert len(result["cases"]) == 12  # 2 index-key, 4 MLA KV, 2 indexer, 2 sparse MLA (bf16, fp8), 2 paged copy
 
 
 def test_the_contract_check_refuses_a_case_the_gpu_would_refuse():
@@ -92,3 +96,120 @@ def test_vendor_section_without_vendor_modules_did_not_run(monkeypatch):
     result = cases.vendor_checks(torch.device("cpu"))
     assert result["ran"] is False and result["passed"] is False
     assert "not importable" in result["flash_mla"]["skipped"]
+
+
+# sparse MLA over the fp8 cache ---------------------------------------------------------------------
+
+def _mla_cases(shapes=DRY_SHAPES, dev=torch.device("cpu"), seed=0):
+    return cases.sparse_mla_cases(shapes, dev, torch.Generator().manual_seed(seed))
+
+
+def _captured(case) -> dict:
+    """The arguments the case hands its op."""
+    args = {}
+    case.make()(lambda q, kv, idx, scale, lat: args.update(q=q, kv=kv, idx=idx, scale=scale, lat=lat))
+    return args
+
+
+def test_fp8_case_reads_the_bf16_rows_packed_with_the_same_q_and_indices():
+    from dsa_kernels.dispatch import resolve
+
+    bf16_case, fp8_case = _mla_cases()
+    a, b = _captured(bf16_case), _captured(fp8_case)
+    assert a["q"] is b["q"] and a["idx"] is b["idx"] and b["kv"].dtype == torch.uint8 and b["kv"].shape[1] == 164
+    assert (a["idx"][0] == -1).sum() == a["idx"].shape[1] // 2 and (a["idx"][1] == -1).all()  # the edge rows
+    packed = torch.zeros_like(b["kv"])
+    rows = a["kv"].float()
+    resolve("pack_mla_kv", "cpu", "torch")[1](rows[:, :128].contiguous(), rows[:, 128:].contiguous(), packed,
+                                              torch.arange(rows.shape[0]))
+    assert torch.equal(packed, b["kv"])  # data movement: exact
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_fp8_case_passes_on_triton_and_counts_656_byte_rows(seed):
+    from dsa_kernels.dispatch import resolve
+
+    _, fp8_case = _mla_cases(seed=seed)
+    want = fp8_case.make()(resolve("sparse_mla_prefill", "cpu", "torch")[1])
+    verdict = fp8_case.check(fp8_case.make()(resolve("sparse_mla_prefill", "cpu", "triton")[1]), want, "triton")
+    assert verdict["passed"], verdict["check"]
+    vs_bf16 = verdict["fp8_vs_bf16"]
+    assert 2**-10 < vs_bf16["rel_rms"] <= cases.FP8_REL_RMS_TOL and vs_bf16["min_cosine"] >= cases.FP8_MIN_COS
+    # GLM-5's shapes on the meta device: 656-byte rows, FLOPs of the valid pairs, the bf16 peak (bf16 dots)
+    glm_bf16, glm_fp8 = _mla_cases(CUDA_SHAPES, torch.device("meta"))
+    valid = 512 * 2048 - 1024 - 2048  # row 0 half -1, row 1 all -1
+    assert "row=656 B" in glm_fp8.label and "row=1152 B" in glm_bf16.label
+    assert glm_fp8.bytes_read == valid * 656 + 512 * 64 * 576 * 2 + 512 * 2048 * 4
+    assert glm_bf16.bytes_read - glm_fp8.bytes_read == valid * (1152 - 656)
+    assert glm_fp8.work == glm_bf16.work == 2 * 64 * (512 + 576) * valid and glm_fp8.peak == "flops_bf16"
+
+
+def _with_cache(args: dict, kv: torch.Tensor):
+    from dsa_kernels.reference.sparse_mla import sparse_mla_prefill
+
+    return sparse_mla_prefill(args["q"], kv, args["idx"], args["scale"], args["lat"])
+
+
+SCALES = slice(128, 132)  # DRY shapes: 128 e4m3 bytes, one fp32 scale, then 16 bf16 rope
+
+
+@pytest.mark.parametrize("corrupt", ["scale-x1.1", "rope-lost", "latent-reversed", "nan", "masked-row-nonzero"])
+def test_fp8_vs_bf16_check_has_teeth(corrupt):
+    """A fault in the fp8 bytes that the same-bytes check cannot see (the reference reads the same
+    bytes) moves the output off the bf16 cache's: caught by relative RMS / cosine, NaN or the mask."""
+    from dsa_kernels.dispatch import resolve
+
+    bf16_case, fp8_case = _mla_cases()
+    ref = resolve("sparse_mla_prefill", "cpu", "torch")[1]
+    bf16_out = bf16_case.make()(ref)
+    args = _captured(fp8_case)
+    kv = args["kv"].clone()
+    if corrupt == "scale-x1.1":
+        kv[:, SCALES] = (kv[:, SCALES].contiguous().view(torch.float32) * 1.1).view(torch.uint8)
+    elif corrupt == "rope-lost":
+        kv[:, 132:] = 0
+    elif corrupt == "latent-reversed":
+        kv[:, :128] = kv[:, :128].flip(1)
+    out, lse = _with_cache(args, kv)
+    if corrupt == "nan":
+        out[2, 0, 0] = float("nan")
+    elif corrupt == "masked-row-nonzero":
+        out[1] = 1e-3
+    assert cases.check_fp8_vs_bf16(_with_cache(args, args["kv"]), bf16_out)["passed"]
+    assert not cases.check_fp8_vs_bf16((out, lse), bf16_out)["passed"]
+    assert not fp8_case.check((out, lse), (out, lse), "triton")["passed"]  # the case's check, same bytes or not
+
+
+def test_fp8_case_kernel_is_triton_on_the_vendor_backend(monkeypatch):
+    monkeypatch.setattr(vendor, "_flash_mla", lambda: (object(), "sgl_kernel.flash_mla 0.4.1"))
+    monkeypatch.setattr(vendor, "_capability", lambda dev: (9, 0))
+    monkeypatch.setattr(vendor, "_on_cuda", lambda t: True)
+    monkeypatch.setattr(vendor, "flash_mla_lse_base", lambda version, dev: math.e)
+    q, idx = torch.zeros(2, 64, 576, dtype=torch.bfloat16), torch.zeros(2, 128, dtype=torch.int32)
+    fp8 = torch.zeros(256, 656, dtype=torch.uint8)
+    label = cases.sparse_mla_kernel("vendor", q, fp8, idx, 512)
+    assert label.startswith("triton (vendor fallback: kv_cache torch.uint8") and "bf16" in label
+    assert cases.sparse_mla_kernel("vendor", q, torch.zeros(256, 576, dtype=torch.bfloat16), idx, 512).startswith(
+        "flash_mla")
+    _, fp8_case = _mla_cases()
+    assert fp8_case.kernel("vendor").startswith("triton (vendor fallback: ")
+
+
+def test_fp8_case_skipped_below_sm89_and_not_counted(monkeypatch):
+    """Below sm89 the fp8 kernel does not exist: the Triton and vendor rows are skipped with the gate's
+    reason (not counted: this device cannot run the path), the torch row still runs."""
+    from dsa_kernels.triton_ops import sparse_mla
+    from layersplit.gpu_check import run as gpu_run
+
+    bf16_case, fp8_case = _mla_cases()
+    assert bf16_case.refused is None and fp8_case.refused("triton") is None  # the CPU: nothing to gate
+    monkeypatch.setattr(sparse_mla, "_cuda_capability", lambda t: (8, 6))
+    assert fp8_case.refused("torch") is None
+    assert "needs sm89+" in fp8_case.refused("triton") and "got sm86" in fp8_case.refused("vendor")
+    ctx = gpu_run.Context("cpu-dry-run", torch.device("cpu"), DRY_SHAPES, gpu_run.Deadline(100),
+                          gpu_run.h200_peaks(), ("torch", "triton"))
+    rows = []
+    gpu_run._run_op(ctx, fp8_case, rows, gpu_run.Deadline(100), [])
+    assert [r["backend"] for r in rows] == ["torch"] and rows[0]["read_GBps"] > 0 and rows[0]["bytes_read"] > 0
+    assert [(s["counts"], "needs sm89+" in s["reason"]) for s in ctx.skipped] == [(False, True)]
+    assert ctx.skipped[0]["what"] == f"kernels: {fp8_case.label} [triton]"

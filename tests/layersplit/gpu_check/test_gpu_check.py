@@ -1,6 +1,7 @@
 """The GPU check's CPU dry run, end to end through the ``gpu-check`` subcommand: every section runs (or
-is skipped with a reason), kernels agree with the reference on both backends, the stress with waits
-sees no corruption, and the outputs are at most 8 flat files. A tiny budget skips later sections."""
+is skipped with a reason), kernels agree with the reference on both backends (sparse MLA over the bf16
+and the fp8 cache), cp=2 agrees with the reference in bf16 and fp8 KV, the stress with waits sees no
+corruption, and the outputs are at most 8 flat files. A tiny budget skips later sections."""
 
 from __future__ import annotations
 
@@ -66,6 +67,20 @@ def test_dry_run_every_section_ok(dry_run):
     # a CPU's GEMMs are batch-invariant up to fp32's last bits (5.8e-6 on 2 AVX-512 threads): the CPU tolerance holds
     assert cp2["floor"] < 1e-5 and cp2["tol"] == 1e-4
     cp_engine = report["sections"]["cp_engine"]["result"]
+    # fp8 KV: cp=2 against its own single-process fp8 reference, the same agreement machinery
+    fp8 = cp_engine["cp2_fp8"]
+    assert fp8["status"] == "ok" and fp8["kv_dtype"] == "fp8" and fp8["max_rel_deviation"] <= fp8["tol"] == 1e-4
+    assert cp2["kv_row_bytes"] == 288 and fp8["kv_row_bytes"] == 164  # the tiny model: GLM-5's 1152 / 656 ratio
+    for b, f in zip(cp2["bcast_kv_bytes_per_layer_by_rank"], fp8["bcast_kv_bytes_per_layer_by_rank"]):
+        assert f and {k: v * 288 for k, v in f.items()} == {k: v * 164 for k, v in b.items()}
+    assert fp8["bcast_kv_bytes_vs_bf16"]["passed"] and fp8["seconds"] > 0 and cp2["seconds"] > 0
+    for run in (cp2, fp8):  # what runs per op (the CPU: the torch reference for each)
+        assert run["kernels"] == {"indexer_scores": "torch", "topk_merge": "torch", "sparse_mla_prefill": "torch"}
+        assert run["reference"]["new_tokens_per_s"] > 0 and run["reference"]["request_tokens_per_s"] > 0
+    reference = cp_engine["reference"]
+    assert "tokens_per_s" not in reference and reference["new_tokens_per_s"] == pytest.approx(
+        cp_engine["new_tokens"] / reference["seconds"])
+    assert "fp8 ok" in cp_engine["summary"] and "41984 B per layer" in cp_engine["summary"]
     order, keys = cp_engine["happens_before"], cp_engine["fp8_key_bytes_triton_vs_torch"]
     assert order["overlapped"]["indexer_after_kv_bcast"].startswith("0 of ")  # the happens-before order
     n = order["legacy"]["indexer_after_kv_bcast"].split(" of ")[1]
@@ -87,7 +102,7 @@ def test_dry_run_every_section_ok(dry_run):
 def test_dry_run_kernels_correct_on_both_backends(dry_run):
     result = dry_run[2]["sections"]["kernels"]["result"]
     rows = result["rows"]
-    assert result["cuda_shape_contracts"]["passed"] and len(result["cuda_shape_contracts"]["cases"]) == 11
+    assert result["cuda_shape_contracts"]["passed"] and len(result["cuda_shape_contracts"]["cases"]) == 12
     assert result["correct_by_backend"] == {"torch": True, "triton": True}
     for backend in ("torch", "triton"):
         assert {r["op"] for r in rows if r["backend"] == backend} >= set(OPS), f"{backend}: an op did not run"
@@ -95,6 +110,10 @@ def test_dry_run_kernels_correct_on_both_backends(dry_run):
         assert r["passed"], f"{r['label']} [{r['backend']}]: {r['check']}"
         assert r["median_ms"] > 0 and r["achieved"] > 0 and r["peak"] > 0
     assert "not representative" in result["timing"]
+    fp8 = [r for r in rows if r["label"].startswith("sparse_mla_prefill[fp8]")]
+    assert [r["backend"] for r in fp8] == ["torch", "triton"] and "row=164 B" in fp8[0]["label"]
+    assert fp8[1]["fp8_vs_bf16"]["passed"] and fp8[1]["kernel"] == "triton"
+    assert all(r["read_GBps"] > 0 and r["bytes_read"] > 0 for r in fp8)
 
 
 @pytest.mark.timeout(420)
