@@ -113,7 +113,7 @@ def table(cfg: SweepConfig) -> str:
              "| length | KV | batch (requests x new, prefix) | LayerSplit rows/layer (MB) | its broadcast (ms; "
              "hidden under the MLP's ms) | query-moving in + out/layer (MB) | its transfers (ms) | owner: "
              f"{cfg.cp} x a rank's indexer + attention (ms) | query-moving attention phase (ms) | per layer, "
-             "LayerSplit / query-moving (ms) | query-moving's tokens/s vs LayerSplit's |",
+             "LayerSplit / query-moving (ms) | query-moving's request tokens/s vs LayerSplit's |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for length in cfg.lengths:
         for dtype in cfg.kv_dtypes:
