@@ -102,7 +102,7 @@ POISON = 0xFF
 # stream edges the teeth tests remove: the comm stream's wait for compute at issue, record_stream of
 # collective buffers, the scratch slot's release event (the issue-time wait also covers it: the
 # teeth test removes both), and the load stream's wait for the poison fill
-UNSAFE_EDGES = ("compute_wait", "record_stream", "slot_release", "poison_fence")
+UNSAFE_EDGES = ("compute_wait", "record_stream", "slot_release", "poison_fence", "allgather_wait")
 # ``overlapped``: the KV broadcast on its own stream and communicator (only sparse attention waits for
 # it); ``legacy``: every collective on one FIFO stream, where the all-gather the indexer waits for
 # queues behind the KV broadcast (kept to show the difference: the overlap test's teeth, the benchmark)
@@ -352,7 +352,8 @@ class RankEngine:
         p = self.model.project(layer, x.h, x.pos)
         done, gathered = self._gather_new_rows(layer, p)
         rb: ReadBuffers = self.pool.read_buffers(layer, plan)
-        self._wait(f"allgather_new[{layer}]", done, layer)
+        if "allgather_wait" not in self.unsafe:  # hazard: the landings below read what the all-gather writes
+            self._wait(f"allgather_new[{layer}]", done, layer)
         # 2a. the indexer: its keys landed (host reload or the owner's broadcast), the new keys, top-k
         if self.spec.has_indexer(layer):
             self._wait_index_keys(layer, owner_here, loading, bcast, load)

@@ -10,7 +10,9 @@ edge of the engine, removed alone (``FaultInjection.unsafe_skip_edges``), is rep
 with no stall and no timing:
 the comm stream not waiting for compute, collective buffers without ``record_stream``, a scratch
 slot refilled before its reader finished (its release event and the issue-time wait both removed:
-either orders it), and the host-tier reload racing the poison fill.
+either orders it), the host-tier reload racing the poison fill, and the new rows landed from the
+all-gather's buffer before compute waited for the all-gather (CUDA's own sanitizer cannot see that
+one: gloo writes the buffer from its worker thread, NCCL outside aten).
 """
 
 from __future__ import annotations
@@ -55,6 +57,7 @@ TEETH = {  # name: (edges removed, requests, what the report must name)
     "slot_release": ({"slot_release", "compute_wait"}, DEVICE_PREFIX,
                      ("c10d::broadcast_", "stream compute", "sparse_mla_prefill")),
     "poison_fence": ({"poison_fence"}, HOST_PREFIX, ("stream load", "fill_pages", "copy_layer_part")),
+    "allgather_wait": ({"allgather_wait"}, DEVICE_PREFIX, ("stream comm", "stream compute", "new_rows.py")),
 }
 
 
@@ -80,6 +83,21 @@ def test_engine_clean_under_the_sanitizer(cp, kv_dtype):
         hazards = sorted({h for r in res.ranks for h in r.hazards})
         assert hazards == [], f"{name}:\n" + "\n".join(hazards)
         assert_matches_reference(TINY, sc, res, run_reference(TINY, sc), name)
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("name", list(TEETH))
+@pytest.mark.slow
+def test_teeth_engine_edge_removed_is_reported(name):
+    runs = run(2, teeth=True)
+    must = TEETH[name][2]
+    found = []
+    for rep in range(2):
+        hazards = {h for r in runs[f"{name}/{rep}"][1].ranks for h in r.hazards}
+        hit = [h for h in hazards if all(word in h for word in must)]
+        assert hit, f"{name} (run {rep}): expected a hazard naming {must}, got:\n" + "\n".join(sorted(hazards))
+        found.append(sorted(hit))
+    assert found[0] == found[1], "the same missing edge must give the same report on every run"
 
 
 def allgather_bytes(sc: Scenario, layer: int) -> tuple[int, int]:
