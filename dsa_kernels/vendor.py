@@ -11,7 +11,7 @@ the reason once. Nothing here can be called with arguments the vendor kernel wou
   calls that one). Accepts: CUDA sm90 / sm100; bf16 ``q [T, h_q, d_qk]`` with ``d_qk`` 576 (or 512,
   no rope); ``d_v = kv_lora_rank = 512``; a bf16 cache. The fp8 (656-byte) cache runs the Triton
   kernel, which dequantizes the gathered rows in registers; that kernel refuses, before launch, an
-  fp8 cache on a CUDA device below sm89 (``triton_ops.sparse_mla.fp8_unsupported``: e4m3 as
+  fp8 cache on a CUDA device below sm89 (``triton_ops.fp8_gate.require_e4m3``: e4m3 as
   ``tl.float8e4nv`` does not compile there), so this fallback raises that ValueError. Our fp8 row
   is byte for byte FlashMLA's "FP8 with scale" format (512 e4m3, 4 fp32 scales one per 128 values,
   64 bf16 rope: FlashMLA's README, "FP8 KV Cache", and ``flash_mla_with_kvcache``'s docstring in
@@ -69,7 +69,7 @@ def _fallback_once(op: str, reason: str) -> None:
 
 
 # seams the CPU tests replace (a fake vendor module on CPU tensors; the Triton fallback's fp8 gate
-# reads its own, ``triton_ops.sparse_mla._cuda_capability``) -------------------------------------
+# reads its own, ``triton_ops.fp8_gate.cuda_capability``) -------------------------------------
 
 def _on_cuda(t: torch.Tensor) -> bool:
     return t.is_cuda

@@ -1,4 +1,6 @@
-"""Indexer keys <-> paged fp8 layout (64 keys of D e4m3 bytes, then 64 fp32 ue8m0 scales, per page)."""
+"""Indexer keys <-> paged fp8 layout (64 keys of D e4m3 bytes, then 64 fp32 ue8m0 scales, per page).
+
+Both kernels read or write e4m3: sm89+ on CUDA (``fp8_gate``, checked before launch)."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ import triton.language as tl
 
 from dsa_kernels import contract
 from dsa_kernels.layout import AMAX_FLOOR, FP8_DTYPE, FP8_MAX, PAGE_SIZE
+from dsa_kernels.triton_ops.fp8_gate import require_e4m3
 from dsa_kernels.triton_ops.offsets import as_offset, wide
 from dsa_kernels.triton_ops.rounding import round_to_e4m3
 
@@ -64,6 +67,7 @@ def _dequantize_index_keys_kernel(
 def quantize_index_keys(keys: torch.Tensor, index_cache: torch.Tensor, slots: torch.Tensor) -> None:
     """Write ``keys [n, D]`` (fp32/bf16/fp16) as e4m3 + fp32 scale into ``index_cache`` at ``slots [n]``."""
     d = contract.quantize_index_keys(keys, index_cache, slots)
+    require_e4m3("quantize_index_keys", index_cache)
     if keys.shape[0] == 0:
         return
     _quantize_index_keys_kernel[(keys.shape[0],)](
@@ -76,6 +80,7 @@ def quantize_index_keys(keys: torch.Tensor, index_cache: torch.Tensor, slots: to
 def dequantize_index_keys(index_cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     """Read the keys at ``slots [n]`` as fp32 ``[n, D]``."""
     d = contract.dequantize_index_keys(index_cache, slots)
+    require_e4m3("dequantize_index_keys", index_cache)
     out = torch.empty(slots.shape[0], d, dtype=torch.float32, device=index_cache.device)
     if slots.shape[0]:
         _dequantize_index_keys_kernel[(slots.shape[0],)](

@@ -3,7 +3,8 @@
 Semantics as ``dsa_kernels.reference.indexer`` (DeepSeek-V3.2's ``fp8_index``): the query heads are
 e4m3 with their scale folded into the head weights, the keys e4m3 with one ue8m0 scale each. The
 fp8 values are exact in bf16, so on a GPU ``tl.dot`` runs on bf16 operands (exact products, fp32
-accumulation); the interpreter (CPU) has no correct bf16 arithmetic and dots in fp32 instead.
+accumulation); the interpreter (CPU) has no correct bf16 arithmetic and dots in fp32 instead. e4m3 keys
+and queries: sm89+ on CUDA (``fp8_gate``, checked before launch).
 Top-k is a separate op (``dsa_kernels.indexer_topk`` merges column chunks).
 """
 
@@ -16,6 +17,7 @@ import triton.language as tl
 from dsa_kernels import contract
 from dsa_kernels.layout import FP8_DTYPE, PAGE_SIZE
 from dsa_kernels.reference.indexer import _as_quantized
+from dsa_kernels.triton_ops.fp8_gate import require_e4m3
 from dsa_kernels.triton_ops.offsets import as_offset, wide
 from lsconfig import envs
 
@@ -67,6 +69,7 @@ def indexer_scores(
     """fp32 ``[T, max_context - s_start]`` scores of columns ``[s_start, max_context)``, ``-inf`` where
     ``s > positions[t]``; arguments as the reference (raw or already quantized ``q``)."""
     d = contract.indexer_scores(q, weights, index_cache, page_table, req_idx, positions, max_context, s_start)
+    require_e4m3("indexer_scores", index_cache)
     q_fp8, w = _as_quantized(q, weights)
     w = w.contiguous()
     t_count, heads = q_fp8.shape[:2]

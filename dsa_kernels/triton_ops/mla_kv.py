@@ -1,4 +1,7 @@
-"""MLA latent rows <-> bf16 (L + R elements) or fp8 (L e4m3 + L/128 fp32 + R bf16) cache rows."""
+"""MLA latent rows <-> bf16 (L + R elements) or fp8 (L e4m3 + L/128 fp32 + R bf16) cache rows.
+
+The fp8 layout's kernels read or write e4m3: sm89+ on CUDA (``fp8_gate``, checked before launch);
+the bf16 layout's have no e4m3 and run on any CUDA device."""
 
 from __future__ import annotations
 
@@ -8,6 +11,7 @@ import triton.language as tl
 
 from dsa_kernels import contract
 from dsa_kernels.layout import FP8_DTYPE, FP8_MAX, FP8_TILE, kv_dtype_of
+from dsa_kernels.triton_ops.fp8_gate import require_e4m3
 from dsa_kernels.triton_ops.offsets import as_offset, wide
 from dsa_kernels.triton_ops.rounding import round_to_e4m3, to_bf16
 
@@ -73,24 +77,29 @@ def _unpack_mla_kv_kernel(
     tl.store(k_pe_ptr + i * R + r, pe, mask=r < R)
 
 
-def _views(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, bool]:
+def _views(op: str, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, bool]:
+    """``(row, row_f32, row_bf16, row_bytes, fp8)`` views of the cache's bytes. Only the fp8 layout
+    passes an e4m3 pointer, so only it needs sm89+ (gated here, before any launch): a bf16 cache's
+    unused ``row`` / ``row_f32`` are its uint8 bytes, since an e4m3 pointer argument alone fails to
+    compile below sm89."""
     fp8 = kv_dtype_of(kv_cache) == "fp8"
     raw = kv_cache.view(torch.uint8)
-    f8 = raw.view(FP8_DTYPE)
-    f32 = raw.view(torch.float32) if fp8 else f8  # unused for bf16; any valid pointer
-    return f8, f32, raw.view(torch.bfloat16), raw.shape[1], fp8
+    if fp8:
+        require_e4m3(op, kv_cache)
+        return raw.view(FP8_DTYPE), raw.view(torch.float32), raw.view(torch.bfloat16), raw.shape[1], True
+    return raw, raw, raw.view(torch.bfloat16), raw.shape[1], False
 
 
 def pack_mla_kv(kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor) -> None:
     """Write ``kv_c [n, L]`` and ``k_pe [n, R]`` into ``kv_cache`` rows ``slots [n]`` (bf16 or fp8 layout)."""
     contract.pack_mla_kv(kv_c, k_pe, kv_cache, slots)
     lat, rope = kv_c.shape[1], k_pe.shape[1]
+    row, row_f32, row_bf16, row_bytes, fp8 = _views("pack_mla_kv", kv_cache)
     if kv_c.shape[0] == 0:
         return
-    f8, f32, bf16, row_bytes, fp8 = _views(kv_cache)
     tile = FP8_TILE if fp8 else min(FP8_TILE, triton.next_power_of_2(lat))
     _pack_mla_kv_kernel[(kv_c.shape[0],)](
-        kv_c, k_pe, slots, f8, f32, bf16, kv_c.stride(0), k_pe.stride(0), row_bytes,
+        kv_c, k_pe, slots, row, row_f32, row_bf16, kv_c.stride(0), k_pe.stride(0), row_bytes,
         L=lat, R=rope, BLOCK_R=triton.next_power_of_2(rope),
         FP8=fp8, TILE=tile, N_TILES=max(1, lat // FP8_TILE), FMAX=FP8_MAX, WIDE=wide(),
     )
@@ -99,15 +108,14 @@ def pack_mla_kv(kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor, 
 def unpack_mla_kv(kv_cache: torch.Tensor, slots: torch.Tensor, kv_lora_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Read rows ``slots [n]`` as fp32 ``(kv_c [n, L], k_pe [n, R])``."""
     rope = contract.unpack_mla_kv(kv_cache, slots, kv_lora_rank)
-    fp8 = kv_dtype_of(kv_cache) == "fp8"
+    row, row_f32, row_bf16, row_bytes, fp8 = _views("unpack_mla_kv", kv_cache)
     lat = kv_lora_rank
     n = slots.shape[0]
     kv_c = torch.empty(n, lat, dtype=torch.float32, device=kv_cache.device)
     k_pe = torch.empty(n, rope, dtype=torch.float32, device=kv_cache.device)
     if n:
-        f8, f32, bf16, row_bytes, _ = _views(kv_cache)
         _unpack_mla_kv_kernel[(n,)](
-            slots, f8, f32, bf16, kv_c, k_pe, row_bytes,
+            slots, row, row_f32, row_bf16, kv_c, k_pe, row_bytes,
             L=lat, R=rope, BLOCK_R=triton.next_power_of_2(rope),
             FP8=fp8, TILE=FP8_TILE if fp8 else min(FP8_TILE, triton.next_power_of_2(lat)),
             N_TILES=max(1, lat // FP8_TILE), WIDE=wide(),

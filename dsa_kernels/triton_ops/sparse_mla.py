@@ -9,9 +9,13 @@ q and the probabilities rounded to bf16, as FlashMLA does) with fp32 accumulatio
 interpreter everything stays fp32.
 
 The fp8 path reads e4m3 as ``tl.float8e4nv``, which compiles on sm89+ only: the launcher refuses a
-uint8 cache on an older CUDA device before any launch (:func:`fp8_unsupported`; the Triton backend
-and the vendor adapter's fallback both pass through it), and launches the fp8 path with
-``FP8_NUM_WARPS`` warps (register spills, see there).
+uint8 cache on an older CUDA device before any launch (``fp8_gate``; the Triton backend and the
+vendor adapter's fallback both pass through it), and launches the fp8 path with ``FP8_NUM_WARPS``
+warps (register spills, see there). The bf16 path has no e4m3 and runs on any CUDA device.
+
+Grid: ``(T, cdiv(H, BLOCK_H))``: each program gathers every selected row of its token for its
+``BLOCK_H`` heads, so a token's rows are loaded ``cdiv(H, BLOCK_H)`` times (4 at H = 64; repeats may
+hit L2). The GPU check counts its bytes read that way.
 """
 
 from __future__ import annotations
@@ -24,11 +28,12 @@ import triton.language as tl
 
 from dsa_kernels import contract
 from dsa_kernels.layout import FP8_TILE
+from dsa_kernels.triton_ops.fp8_gate import require_e4m3
 from dsa_kernels.triton_ops.offsets import as_offset, wide
 from dsa_kernels.triton_ops.rounding import to_bf16
 from lsconfig import envs
 
-FP8_MIN_CAPABILITY = (8, 9)  # tl.float8e4nv (e4m3) compiles on sm89+ only: Ada, Hopper, Blackwell
+BLOCK_H = 16  # heads per program: 16 x L fp32 accumulators keep registers bounded at L = 512
 # ptxas on sm90, fp8 path at 4 warps: 255 registers with 220 B of spill stores / 204 B of spill loads
 # (the gathered [BLOCK_K, N_TILES, TILE] bytes, their scales and the dequantized rows are live at once);
 # at 8 warps each thread holds half of them: 12 / 8 B. The bf16 path keeps Triton's default.
@@ -146,9 +151,9 @@ def sparse_mla_prefill(
     """``out [T, H, L]`` (q's dtype) and ``lse [T, H]`` fp32; shapes, the bf16 or fp8-layout (uint8)
     cache and the masking as the reference (``reference.sparse_mla``)."""
     contract.sparse_mla_prefill(q, kv_cache, indices, sm_scale, kv_lora_rank)
-    refused = fp8_unsupported(kv_cache)
-    if refused is not None:
-        raise ValueError(refused)
+    fp8 = kv_cache.dtype == torch.uint8
+    if fp8:
+        require_e4m3("sparse_mla_prefill", kv_cache)
     dev = kv_cache.device
     t_count, heads, width = q.shape
     lat = kv_lora_rank
@@ -157,37 +162,18 @@ def sparse_mla_prefill(
     if t_count == 0:
         return out, lse
     rope = width - lat
-    fp8 = kv_cache.dtype == torch.uint8
     # the fp8 layout's rope through a bf16 view (rows have an even byte count); unused otherwise
     kv_bf16 = kv_cache.view(torch.bfloat16) if fp8 else kv_cache
-    block_h = 16  # 16 heads x L fp32 accumulators per program keeps registers bounded at L = 512
-    _sparse_mla_prefill_kernel[(t_count, triton.cdiv(heads, block_h))](
+    _sparse_mla_prefill_kernel[(t_count, triton.cdiv(heads, BLOCK_H))](
         q, kv_cache, kv_bf16, indices, out, lse,
         q.stride(0), q.stride(1), kv_cache.stride(0), indices.stride(0), out.stride(0), out.stride(1),
         indices.shape[1], kv_cache.shape[0], float(sm_scale),
-        H=heads, BLOCK_H=block_h, L=lat, R=rope, BLOCK_R=max(16, triton.next_power_of_2(rope)), BLOCK_K=32,
+        H=heads, BLOCK_H=BLOCK_H, L=lat, R=rope, BLOCK_R=max(16, triton.next_power_of_2(rope)), BLOCK_K=32,
         FP8=fp8, TILE=FP8_TILE, N_TILES=max(1, lat // FP8_TILE),
         DOT_BF16=not envs.triton_interpret() and kv_cache.dtype in (torch.bfloat16, torch.uint8),
         OUT_BF16=q.dtype == torch.bfloat16, WIDE=wide(), num_warps=FP8_NUM_WARPS if fp8 else BF16_NUM_WARPS,
     )
     return out, lse
-
-
-def _cuda_capability(t: torch.Tensor) -> tuple[int, int] | None:
-    """``t``'s CUDA compute capability, None off CUDA (the seam CPU tests replace with a fake device)."""
-    return torch.cuda.get_device_capability(t.device) if t.is_cuda else None
-
-
-def fp8_unsupported(kv_cache: torch.Tensor) -> str | None:
-    """Why the fp8 path cannot run for this cache here (None: it can, or the cache is not fp8): a uint8
-    cache on a CUDA device below ``FP8_MIN_CAPABILITY``. Reads device properties only, no sync."""
-    if kv_cache.dtype != torch.uint8:
-        return None
-    cap = _cuda_capability(kv_cache)
-    if cap is None or tuple(cap) >= FP8_MIN_CAPABILITY:
-        return None
-    return (f"kv_cache: the fp8 KV cache (uint8 rows, e4m3 read as tl.float8e4nv) needs sm89+ "
-            f"(Ada/Hopper/Blackwell), got sm{cap[0]}{cap[1]} on device {kv_cache.device}; run with --kv-dtype bf16")
 
 
 def default_sm_scale(qk_head_dim: int) -> float:

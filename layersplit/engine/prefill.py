@@ -150,9 +150,27 @@ _GPU_PROBE = ("import json, sys, torch; print(json.dumps([[*torch.cuda.mem_get_i
               "*torch.cuda.get_device_capability(d)] for d in range(int(sys.argv[1]))]))")
 
 
-def _probe_gpus(devices: int) -> list[tuple[int, int, int, int]] | None:
-    """``(free, total, major, minor)`` of CUDA devices ``0 .. devices - 1``, read in a child process, or None
-    where there is no CUDA or the probe fails (the ranks' own allocations and launches say it then)."""
+@dataclass(frozen=True)
+class GpuFacts:
+    """One CUDA device as the probe read it: free and total bytes, compute capability ``(major, minor)``."""
+
+    free: int
+    total: int
+    capability: tuple[int, int]
+
+
+def rank_devices(cp: int) -> int:
+    """How many CUDA devices ``cp`` ranks use (rank ``r`` on device ``r % count``, as the rank worker places
+    them); 1 where there is no CUDA (the probe then answers None)."""
+    import torch
+
+    return min(cp, max(1, torch.cuda.device_count())) if torch.cuda.is_available() else 1
+
+
+def probe_gpus(devices: int) -> list[GpuFacts] | None:
+    """:class:`GpuFacts` of CUDA devices ``0 .. devices - 1``, read in ONE child process, or None where there
+    is no CUDA or the probe fails (the ranks' own allocations and launches say it then). The seam a CPU test
+    replaces; :func:`prefill` calls it once and hands the facts to each device check."""
     import torch
 
     if not torch.cuda.is_available():
@@ -160,39 +178,41 @@ def _probe_gpus(devices: int) -> list[tuple[int, int, int, int]] | None:
     try:
         probe = subprocess.run([sys.executable, "-c", _GPU_PROBE, str(devices)], capture_output=True, text=True,
                                timeout=120, check=True)
-        return [tuple(int(v) for v in row) for row in json.loads(probe.stdout.strip().splitlines()[-1])]
+        rows = json.loads(probe.stdout.strip().splitlines()[-1])
+        return [GpuFacts(int(free), int(total), (int(major), int(minor))) for free, total, major, minor in rows]
     except (OSError, subprocess.SubprocessError, ValueError, IndexError, TypeError):
         return None
 
 
 def gpu_memory_bytes(devices: int) -> list[tuple[int, int]] | None:
-    """``(free, total)`` bytes of CUDA devices ``0 .. devices - 1`` (``torch.cuda.mem_get_info``), or None
-    off CUDA. The seam a CPU test replaces (also behind ``layersplit.cli.resources.gpu_free_bytes``)."""
-    facts = _probe_gpus(devices)
-    return None if facts is None else [(free, total) for free, total, _, _ in facts]
+    """``(free, total)`` bytes of CUDA devices ``0 .. devices - 1`` (:func:`probe_gpus`), or None off CUDA.
+    For callers outside :func:`prefill` (``layersplit.cli.resources.gpu_free_bytes``)."""
+    facts = probe_gpus(devices)
+    return None if facts is None else [(gpu.free, gpu.total) for gpu in facts]
 
 
-def gpu_capabilities(devices: int) -> list[tuple[int, int]] | None:
-    """Compute capability ``(major, minor)`` of CUDA devices ``0 .. devices - 1``, or None off CUDA. The seam
-    a CPU test replaces."""
-    facts = _probe_gpus(devices)
-    return None if facts is None else [(major, minor) for _, _, major, minor in facts]
-
-
-def check_fp8_devices(cp: int, kv_dtype: str) -> None:
-    """fp8 KV on CUDA needs sm89+ on every device the ranks use (the sparse-MLA kernel reads e4m3, which
-    does not compile below it; :data:`dsa_kernels.triton_ops.sparse_mla.FP8_MIN_CAPABILITY`): refused here,
-    before any process starts, rather than at the first attention inside the ranks."""
-    import torch
-
-    if kv_dtype != "fp8" or not torch.cuda.is_available():
+def check_kernel_devices(gpus: list[GpuFacts] | None, kv_dtype: str) -> None:
+    """Refuse, before any process starts, a device the engine's kernels cannot compile for: on CUDA the
+    ranks run Triton (or vendor, whose sparse-MLA fallback is Triton) kernels that use e4m3
+    (:func:`dsa_kernels.triton_ops.fp8_gate.e4m3_ops`: the index keys in every KV dtype, the MLA cache
+    too at fp8), which need sm89+. With ``LAYERSPLIT_KERNEL_BACKEND=torch`` they run the torch reference
+    and any device passes. ``gpus``: :func:`probe_gpus`' facts (None: no CUDA, nothing to check)."""
+    if not gpus:
         return
-    from dsa_kernels.triton_ops.sparse_mla import FP8_MIN_CAPABILITY
+    from dsa_kernels.dispatch import resolve
+    from dsa_kernels.triton_ops import fp8_gate
+    from lsconfig import envs
 
-    for device, cap in enumerate(gpu_capabilities(min(cp, max(1, torch.cuda.device_count()))) or ()):
-        if tuple(cap) < FP8_MIN_CAPABILITY:
-            raise ValueError(f"kv_dtype: fp8 KV needs sm{FP8_MIN_CAPABILITY[0]}{FP8_MIN_CAPABILITY[1]}+ (Ada, "
-                             f"Hopper, Blackwell), got sm{cap[0]}{cap[1]} on cuda:{device}; use bf16")
+    compiled = [op for op in fp8_gate.e4m3_ops(kv_dtype) if resolve(op, "cuda")[0] != "torch"]
+    low = next(((d, gpu.capability) for d, gpu in enumerate(gpus) if fp8_gate.below_e4m3(gpu.capability)), None)
+    if not compiled or low is None:
+        return
+    device, (major, minor) = low
+    need = "index keys are e4m3 in every KV dtype" + (", and so is the fp8 MLA cache" if kv_dtype == "fp8" else "")
+    raise ValueError(f"LAYERSPLIT_KERNEL_BACKEND: {envs.kernel_backend()} picks Triton for {', '.join(compiled)} "
+                     f"({need}), whose e4m3 needs sm89+ (Ada/Hopper/Blackwell), got sm{major}{minor} on cuda:{device}; "
+                     "set LAYERSPLIT_KERNEL_BACKEND=torch to run the torch reference kernels (--kv-dtype bf16 alone "
+                     "does not avoid e4m3)")
 
 
 def _gib(nbytes: float) -> str:
@@ -200,16 +220,15 @@ def _gib(nbytes: float) -> str:
 
 
 def check_gpu_memory(model: ModelConfig, *, cp: int, mode: str, ownership: str, requests: int, context_len: int,
-                     kv_dtype: str) -> None:
+                     kv_dtype: str, gpus: list[GpuFacts] | None) -> None:
     """Where the ranks run on CUDA (rank ``r`` on device ``r % count``, as the rank worker places them): each
-    device's free memory against the fp32 weights and caches of the ranks it holds, and on device 0 against
-    the single-process reference's too (every layer; it runs there after them). Refused in one line naming
-    ``context_len`` with the largest that fits, or ``model`` where none does."""
-    import torch
-
-    memory = gpu_memory_bytes(min(cp, max(1, torch.cuda.device_count()) if torch.cuda.is_available() else 1))
-    if not memory:
+    device's free memory (``gpus``: :func:`probe_gpus`' facts, None off CUDA) against the fp32 weights and
+    caches of the ranks it holds, and on device 0 against the single-process reference's too (every layer;
+    it runs there after them). Refused in one line naming ``context_len`` with the largest that fits, or
+    ``model`` where none does."""
+    if not gpus:
         return
+    memory = [(gpu.free, gpu.total) for gpu in gpus]
 
     def pages(tokens: int) -> int:
         return requests * -(-tokens // PAGE_SIZE)
@@ -262,10 +281,11 @@ def check_arguments(model: ModelConfig, *, cp: int, mode: str, ownership: str, s
 
 
 def check_memory(model: ModelConfig, *, cp: int, mode: str, ownership: str, requests: int, context_len: int,
-                 kv_dtype: str = "bf16") -> None:
+                 kv_dtype: str = "bf16", gpus: list[GpuFacts] | None = None) -> None:
     """Whether the run fits this machine, from the config before anything is allocated: host memory (every
-    process's fp32 weights and caches), then, where the ranks run on CUDA, each GPU's (:func:`check_gpu_memory`);
-    raises ``ValueError`` naming the argument to change."""
+    process's fp32 weights and caches), then, where the ranks run on CUDA, each GPU's (:func:`check_gpu_memory`,
+    from ``gpus``: :func:`probe_gpus`' facts; None: none to check); raises ``ValueError`` naming the argument
+    to change."""
     pool_pages = requests * -(-context_len // PAGE_SIZE)
     processes = cp + 1  # the rank processes and the reference in this one
     caches = cache_bytes(model, pool_pages, kv_dtype)
@@ -278,12 +298,13 @@ def check_memory(model: ModelConfig, *, cp: int, mode: str, ownership: str, requ
                          f"{need / 2**30:,.1f} GiB in all; this machine has {have / 2**30:,.1f} GiB available "
                          "(on a CPU use --model tiny)")
     check_gpu_memory(model, cp=cp, mode=mode, ownership=ownership, requests=requests, context_len=context_len,
-                     kv_dtype=kv_dtype)
+                     kv_dtype=kv_dtype, gpus=gpus)
 
 
 @contextmanager
-def _kernel_backend(choice: str):
-    """Run the enclosed in-process work with ``LAYERSPLIT_KERNEL_BACKEND=choice`` (restored after)."""
+def kernel_backend(choice: str):
+    """Run the enclosed work with ``LAYERSPLIT_KERNEL_BACKEND=choice`` (restored after); rank processes
+    started inside inherit it."""
     old = os.environ.get("LAYERSPLIT_KERNEL_BACKEND")
     os.environ["LAYERSPLIT_KERNEL_BACKEND"] = choice
     try:
@@ -318,8 +339,9 @@ def prefill(model: str | ModelConfig = "tiny", *, cp: int = 2, mode: str = "laye
     ``progress(stage: str)``: told when each stage starts (the run takes seconds to minutes on a CPU).
 
     Before any process starts: every argument, the ``LAYERSPLIT_*`` variables (as the CLI checks them:
-    ``lsconfig.envs``) and the memory the run needs (:func:`check_memory`), each a ``ValueError`` naming
-    the argument or variable. The report's throughputs: ``new_tokens_per_s`` (the new tokens) and
+    ``lsconfig.envs``), the memory the run needs (:func:`check_memory`) and, on CUDA, whether each device
+    compiles the kernels that will run (:func:`check_kernel_devices`; both device checks read one child
+    probe, :func:`probe_gpus`), each a ``ValueError`` naming the argument or variable. The report's throughputs: ``new_tokens_per_s`` (the new tokens) and
     ``request_tokens_per_s`` (every context token, cached prefix included), both per second of the slowest
     rank's prefill."""
     import torch
@@ -342,9 +364,10 @@ def prefill(model: str | ModelConfig = "tiny", *, cp: int = 2, mode: str = "laye
         raise ValueError(f"host_tier: expected True or False, got {host_tier!r}")
     envs.check_all()  # every LAYERSPLIT_* variable, as the CLI checks them, before any process starts
     envs.check_machine(torch.cuda.is_available())
+    gpus = probe_gpus(rank_devices(cp))  # one child process: both device checks below read its facts
     check_memory(cfg_model, cp=cp, mode=mode, ownership=ownership, requests=requests, context_len=context_len,
-                 kv_dtype=kv_dtype)
-    check_fp8_devices(cp, kv_dtype)
+                 kv_dtype=kv_dtype, gpus=gpus)
+    check_kernel_devices(gpus, kv_dtype)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     backend = resolve("indexer_scores", device)[0]
     reqs = synthetic_requests(requests, context_len, hit, cfg_model.vocab_size, seed, from_host=host_tier)
@@ -366,7 +389,7 @@ def prefill(model: str | ModelConfig = "tiny", *, cp: int = 2, mode: str = "laye
     vs_torch = None
     if backend != "torch":
         say("single-process reference on the torch kernels")
-        with _kernel_backend("torch"):
+        with kernel_backend("torch"):
             vs_torch = float((result.hidden - run_reference(cfg_model, scenario).hidden).abs().max())
     return _report(cfg_model, scenario, result, reference, context_len=context_len, hit=hit, host_tier=host_tier,
                    backend=backend, vs_torch=vs_torch, trace=trace)
@@ -403,5 +426,6 @@ def _report(model: ModelConfig, scenario, result, reference, *, context_len: int
     return report
 
 
-__all__ = ["PrefillReport", "available_memory_bytes", "cache_bytes", "check_arguments", "check_memory",
-           "check_fp8_devices", "gpu_capabilities", "gpu_memory_bytes", "prefill", "rank_cache_bytes", "weight_bytes"]
+__all__ = ["GpuFacts", "PrefillReport", "available_memory_bytes", "cache_bytes", "check_arguments",
+           "check_kernel_devices", "check_memory", "gpu_memory_bytes", "kernel_backend", "prefill", "probe_gpus",
+           "rank_cache_bytes", "weight_bytes"]

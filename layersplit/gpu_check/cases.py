@@ -55,8 +55,8 @@ class OpCase:
     fixed: Callable | None = None  # ops outside the dispatch (torch only)
     kernel: Callable[[str], str] | None = None  # backend -> the kernel that really runs (vendor may fall back)
     refused: Callable[[str], str | None] | None = None  # backend -> why this device refuses it (a capability gate)
-    bytes_read: int | None = None  # a FLOP case's bytes read too (``bytes_formula``), compared with HBM
-    bytes_formula: str = ""
+    # a FLOP case's bytes read too, compared with HBM: the kernel that ran -> (bytes, what they count)
+    bytes_read: Callable[[str], tuple[int, str]] | None = None
 
 
 def _tuple(x) -> tuple:
@@ -170,6 +170,16 @@ def _ref(op: str, dev: torch.device) -> Callable:
     return resolve(op, dev, "torch")[1]
 
 
+def e4m3_refused(op: str, t: torch.Tensor) -> Callable[[str], str | None]:
+    """``OpCase.refused`` of a case whose Triton kernel uses e4m3 (``fp8_gate``: the index-key ops, the
+    MLA-cache ops over an fp8 cache): on a device below sm89 the Triton backend, and the vendor one (whose
+    fallback is Triton), are refused with the launcher's own reason; the torch reference never is."""
+    from dsa_kernels.triton_ops import fp8_gate
+
+    assert op in fp8_gate.E4M3_OPS, f"{op}: its Triton kernel uses no e4m3 (fp8_gate.E4M3_OPS)"
+    return lambda backend: None if backend == "torch" else fp8_gate.e4m3_unsupported(op, t)
+
+
 def index_key_cases(s: Shapes, dev: torch.device, gen: torch.Generator) -> list[OpCase]:
     """quantize: read ``n*D*2`` (bf16 keys) + slots, write ``n*(D+4)``; dequantize: the reverse in fp32."""
     from dsa_kernels.layout import index_page_bytes
@@ -187,10 +197,11 @@ def index_key_cases(s: Shapes, dev: torch.device, gen: torch.Generator) -> list[
     io = n * (d + 4) + slots.nbytes
     return [
         OpCase("quantize_index_keys", f"quantize_index_keys n={n} D={d}", make_quantize, check_exact,
-               keys.nbytes + io, "B", "n*D*2 + n*(D+4) + slot bytes", "hbm"),
+               keys.nbytes + io, "B", "n*D*2 + n*(D+4) + slot bytes", "hbm",
+               refused=e4m3_refused("quantize_index_keys", filled)),
         OpCase("dequantize_index_keys", f"dequantize_index_keys n={n} D={d}",
                lambda: lambda fn: fn(filled, slots), check_exact, io + n * d * 4, "B",
-               "n*(D+4) + slot bytes + n*D*4", "hbm"),
+               "n*(D+4) + slot bytes + n*D*4", "hbm", refused=e4m3_refused("dequantize_index_keys", filled)),
     ]
 
 
@@ -217,10 +228,11 @@ def mla_kv_cases(s: Shapes, dev: torch.device, gen: torch.Generator) -> list[OpC
         cases += [
             OpCase("pack_mla_kv", f"pack_mla_kv[{kv_dtype}] n={n}", make_pack, check_exact,
                    kv_c.nbytes + k_pe.nbytes + slots.nbytes + n * row, "B", "n*(L+R)*2 + slot bytes + n*row_bytes",
-                   "hbm"),
+                   "hbm", refused=None if bf16 else e4m3_refused("pack_mla_kv", filled)),
             OpCase("unpack_mla_kv", f"unpack_mla_kv[{kv_dtype}] n={n}",
                    lambda filled=filled: lambda fn: fn(filled, slots, lat), check_exact,
-                   n * row + slots.nbytes + n * (lat + rope) * 4, "B", "n*row_bytes + slot bytes + n*(L+R)*4", "hbm"),
+                   n * row + slots.nbytes + n * (lat + rope) * 4, "B", "n*row_bytes + slot bytes + n*(L+R)*4", "hbm",
+                   refused=None if bf16 else e4m3_refused("unpack_mla_kv", filled)),
         ]
     return cases
 
@@ -255,7 +267,8 @@ def indexer_cases(s: Shapes, dev: torch.device, gen: torch.Generator) -> list[Op
     return [
         OpCase("indexer_scores", f"indexer_scores T={t} H={h} D={d} ctx={ctx}",
                lambda: lambda fn: fn(q, w, cache, table, req, pos, ctx), check_indexer(tol),
-               2 * h * d * pairs, "FLOP", "2*H*D*sum_t(pos_t+1)", "flops_fp8"),
+               2 * h * d * pairs, "FLOP", "2*H*D*sum_t(pos_t+1)", "flops_fp8",
+               refused=e4m3_refused("indexer_scores", cache)),
         OpCase("topk_indices", f"topk_indices T={t} ctx={ctx} k={s.topk}", lambda: lambda fn: fn(scores(), s.topk),
                check_topk, t * ctx * 4 + t * s.topk * 4, "B", "T*ctx*4 + T*k*4", "hbm", fixed=topk_indices),
     ]
@@ -266,9 +279,9 @@ def sparse_mla_cases(s: Shapes, dev: torch.device, gen: torch.Generator) -> list
     read with the same q and indices; row 0 is half -1 padding and row 1 fully masked, as edge cases.
 
     FLOPs = ``2 * H * ((L+R) + L) * valid`` (q.k over L+R, p.v over L) per valid (token, index) pair;
-    bytes read = ``valid * row_bytes`` (1152 B bf16, 656 B fp8 at GLM-5's 512 + 64) + q + indices.
-    Both dot bf16 operands on a GPU (the fp8 rows dequantized in registers), so both FLOP rates are
-    held to the bf16 peak, and the bytes to HBM's.
+    bytes read follow the kernel that ran (:func:`sparse_mla_bytes_read`). Both dot bf16 operands on a
+    GPU (the fp8 rows dequantized in registers), so both FLOP rates are held to the bf16 peak, and the
+    bytes to HBM's.
     """
     from dsa_kernels.layout import mla_row_bytes
 
@@ -297,15 +310,36 @@ def sparse_mla_cases(s: Shapes, dev: torch.device, gen: torch.Generator) -> list
             lambda cache=cache: lambda fn: fn(q, cache, idx, scale, lat), check, flops, "FLOP",
             "2*H*((L+R)+L)*valid_indices", "flops_bf16",
             kernel=lambda backend, cache=cache: sparse_mla_kernel(backend, q, cache, idx, lat),
-            refused=(lambda backend: None if backend == "torch" else _fp8_refused(kv8)) if fp8 else None,
-            bytes_read=valid * row + q.nbytes + idx.nbytes, bytes_formula=f"valid_indices*{row} + T*H*(L+R)*2 + T*K*4"))
+            refused=e4m3_refused("sparse_mla_prefill", kv8) if fp8 else None,
+            bytes_read=lambda kernel, row=row: sparse_mla_bytes_read(kernel, valid=valid, row=row, heads=h,
+                                                                     q_bytes=q.nbytes, idx_bytes=idx.nbytes)))
     return cases
 
 
-def _fp8_refused(kv_cache: torch.Tensor) -> str | None:
-    from dsa_kernels.triton_ops.sparse_mla import fp8_unsupported  # Triton: imported when a case runs
+def sparse_mla_bytes_read(kernel: str, *, valid: int, row: int, heads: int, q_bytes: int, idx_bytes: int
+                          ) -> tuple[int, str]:
+    """Bytes a sparse-MLA call loads, by the kernel that ran (``OpCase.kernel``), and what they count.
 
-    return fp8_unsupported(kv_cache)
+    The selected rows and the indices are loaded once per program that gathers them: the Triton kernel
+    runs ``cdiv(H, BLOCK_H)`` head blocks per token (``triton_ops.sparse_mla.BLOCK_H``), each gathering every
+    selected row (4x at H = 64; repeats may hit L2); FlashMLA and the torch reference gather each row once
+    per token for all heads (FlashMLA once per group of at most 128 heads). q is read once either way.
+    """
+    if kernel.startswith("triton"):
+        from dsa_kernels.triton_ops.sparse_mla import BLOCK_H  # Triton: imported when a row is timed
+
+        passes = -(-heads // BLOCK_H)
+        what = f"x{passes}: cdiv(H={heads}, BLOCK_H={BLOCK_H}) Triton head blocks per token each gather the rows"
+    elif kernel.startswith("flash_mla"):
+        from dsa_kernels.vendor import FLASH_MLA_HEADS
+
+        group = max(max(accepted) for accepted in FLASH_MLA_HEADS.values())
+        passes = -(-heads // group)
+        what = f"x{passes}: FlashMLA gathers each row once per token per group of <= {group} heads"
+    else:
+        passes, what = 1, "x1: the torch reference gathers each row once per token"
+    formula = f"{passes} * (valid_indices*{row} + T*K*4) + T*H*(L+R)*2 ({what})"
+    return passes * (valid * row + idx_bytes) + q_bytes, formula
 
 
 def sparse_mla_kernel(backend: str, q, kv, idx, lat: int) -> str:

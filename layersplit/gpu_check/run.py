@@ -19,9 +19,10 @@ Sections (each a function returning a dict; one that raises is recorded as faile
 5. ``cp_engine``       the LayerSplit prefill engine on 2 ranks (on one GPU: gloo with CUDA tensors,
                        NCCL refuses two ranks per device) against the single-rank reference, held to a
                        floor measured on this device (:mod:`.agreement`), in bf16 and then in fp8 KV
-                       (:mod:`.cp_dtypes`: seconds, KV bytes broadcast per layer, the kernel each op
-                       runs; fp8 skipped with the reason where it does not fit); the happens-before order of
-                       both schedules; the KV-broadcast overlap **measured** in one process on this
+                       (:mod:`.cp_dtypes`: seconds; reported beside the verdict, never in it, the KV
+                       bytes broadcast per layer as the engine counted them and the kernel each op is
+                       predicted to run; fp8 skipped with the reason where it does not fit); the
+                       happens-before order of both schedules; the KV-broadcast overlap **measured** in one process on this
                        device's streams with the collectives replaced by link-timed copies
                        (:mod:`.link_overlap`; the 2-process gloo timings on one GPU are host-serialized
                        and reported without a verdict); the fp8 key bytes of Triton vs torch;
@@ -32,12 +33,15 @@ Sections (each a function returning a dict; one that raises is recorded as faile
 
 Modes: ``cuda`` (CUDA present, no ``--dry-run``) uses GLM-5 shapes; ``cpu-dry-run`` uses tiny shapes,
 the Triton interpreter and emulated streams so CI keeps the script working (timings are CPU wall
-time, not representative). A :class:`Deadline` skips, with a recorded reason, every section whose
-estimate no longer fits the budget (default 480 s); in ``cuda`` mode a watchdog writes the report,
-ends the check's child process groups and exits at budget + 25 s whatever is running. ``sections``
-(``--sections``) runs only those (``environment`` always runs): a rerun takes what failed. Outputs in
-``--out`` (flat, 2 files): ``gpu_check.json`` (rewritten after every section) and ``gpu_check.md``;
-verdict and exit status: :mod:`.report`. Example::
+time, not representative). Below sm89 (no e4m3 in Triton: ``dsa_kernels.triton_ops.fp8_gate``) every
+kernel row whose Triton kernel uses e4m3 is skipped with the gate's reason, not counted; ``cp_engine``
+runs on the torch reference kernels and the sections that check the Triton engine's own behaviour
+(``TRITON_KERNEL_SECTIONS``) are skipped, not counted. A :class:`Deadline` skips, with a recorded
+reason, every section whose estimate no longer fits the budget (default 480 s); in ``cuda`` mode a
+watchdog writes the report, ends the check's child process groups and exits at budget + 25 s whatever
+is running. ``sections`` (``--sections``) runs only those (``environment`` always runs): a rerun
+takes what failed. Outputs in ``--out`` (flat, 2 files): ``gpu_check.json`` (rewritten after every
+section) and ``gpu_check.md``; verdict and exit status: :mod:`.report`. Example::
 
     python benchmarks/gpu_check.py --out /tmp/gpu-check            # or: layersplit gpu-check --out DIR
     python benchmarks/gpu_check.py --out /tmp/gpu-check --dry-run  # tiny shapes on the CPU
@@ -253,13 +257,15 @@ def _backend_fn(ctx: Context, case: OpCase, backend: str) -> tuple[Callable | No
     return (fn, None) if name == backend else (None, f"dispatch gave {name}")
 
 
-def _rate(case: OpCase, seconds: float, ctx: Context) -> dict:
+def _rate(case: OpCase, seconds: float, ctx: Context, kernel: str) -> dict:
+    """Achieved rate against the peak; a FLOP case's bytes read too, as ``kernel`` (the one that ran) loads them."""
     scale, unit = (1e12, "TFLOP/s") if case.unit == "FLOP" else (1e9, "GB/s")
     rate = {"achieved": case.work / seconds / scale, "peak": ctx.peaks[case.peak] / scale, "rate_unit": unit,
             "peak_key": case.peak}
     if case.bytes_read is not None:  # a FLOP case's bytes too, against HBM
-        rate |= {"bytes_read": case.bytes_read, "bytes_formula": case.bytes_formula,
-                 "read_GBps": case.bytes_read / seconds / 1e9, "hbm_peak_GBps": ctx.peaks["hbm"] / 1e9}
+        nbytes, formula = case.bytes_read(kernel)
+        rate |= {"bytes_read": nbytes, "bytes_formula": formula,
+                 "read_GBps": nbytes / seconds / 1e9, "hbm_peak_GBps": ctx.peaks["hbm"] / 1e9}
     return rate
 
 
@@ -273,10 +279,11 @@ def run_case(ctx: Context, case: OpCase, backend: str, fn: Callable, want) -> di
     row |= {"passed": True, "check": "oracle (torch reference)"} if backend == "torch" else case.check(got, want, backend)
     del got
     seconds = median_seconds(lambda: run(fn), ctx.device, ctx.shapes.warmup, ctx.shapes.repeats)
-    row |= {"median_ms": seconds * 1e3, "repeats": ctx.shapes.repeats} | _rate(case, seconds, ctx)
+    row |= {"median_ms": seconds * 1e3, "repeats": ctx.shapes.repeats} | _rate(case, seconds, ctx, row["kernel"])
     log(f"{case.label:<52} {row['kernel'][:40]:<6} {'ok' if row['passed'] else 'FAILED':<6} {row['median_ms']:9.3f} ms "
         f"{row['achieved']:9.3f} {row['rate_unit']} (H200 {case.peak} {row['peak']:.0f})"
-        + (f" {row['read_GBps']:.3f} GB/s read (H200 hbm {row['hbm_peak_GBps']:.0f})" if "read_GBps" in row else "")
+        + (f" {row['read_GBps']:.3f} GB/s read (H200 hbm {row['hbm_peak_GBps']:.0f}; counted as {row['bytes_formula']})"
+           if "read_GBps" in row else "")
         + f" {row['check']}")
     return row
 
@@ -293,7 +300,7 @@ def _run_op(ctx: Context, case: OpCase, rows: list[dict], budget: Deadline, no_v
         if fn is None:
             continue
         refused = case.refused(backend) if case.refused else None
-        if refused:  # this device cannot run the path (the fp8 kernel below sm89): not a check this mode holds
+        if refused:  # this device cannot run the path (an e4m3 kernel below sm89): not a check this mode holds
             ctx.skip(f"kernels: {case.label} [{backend}]", refused, counts=False)
             continue
         if not budget.allows(0):
@@ -435,7 +442,27 @@ def _tiny_scenario(n: int):
 def section_cp_engine(ctx: Context) -> dict:
     """Tiny model, one request with a 90% cached prefix: cp=2 LayerSplit vs the single-rank reference
     in bf16 (then in fp8, last, where it fits: :mod:`.cp_dtypes`), the schedules' happens-before order,
-    the KV-broadcast overlap measured on this device's streams."""
+    the KV-broadcast overlap measured on this device's streams.
+
+    Below sm89 the engine's Triton kernels cannot run (index keys are e4m3 in every KV dtype:
+    ``fp8_gate``). This section checks the CP engine (broadcasts, all-gathers, ownership, the stream
+    schedule) against the single-rank reference, which holds whichever kernels both sides use; the
+    kernels themselves are the ``kernels`` section's. So there it runs the whole section on the torch
+    reference kernels (``LAYERSPLIT_KERNEL_BACKEND=torch``, inherited by the ranks), records the Triton
+    engine as skipped (not counted: this device cannot run it), and skips the Triton-vs-torch key bytes."""
+    from layersplit.engine.prefill import kernel_backend
+    from layersplit.gpu_check import cp_dtypes
+
+    refused = cp_dtypes.kernels_refused(ctx.device, "bf16")
+    if refused is None:
+        return _cp_engine(ctx, triton_refused=None)
+    ctx.skip("cp_engine: the engine on Triton/vendor kernels", refused + "; the section ran on the torch "
+             "reference kernels instead", counts=False)
+    with kernel_backend("torch"):
+        return _cp_engine(ctx, triton_refused=refused) | {"kernel_backend": "torch (Triton e4m3 needs sm89+)"}
+
+
+def _cp_engine(ctx: Context, triton_refused: str | None) -> dict:
     from layersplit.engine.launcher import cp_backend, run_reference
     from layersplit.gpu_check import cp_dtypes, link_overlap
     from layersplit.gpu_check.overlap import fp8_key_bytes, overlap_probe
@@ -457,21 +484,28 @@ def section_cp_engine(ctx: Context) -> dict:
     # the overlap itself, measured: one rank's schedule on this device's streams, link-timed copies.
     # Required on a GPU; on a CPU (emulated streams on shared cores) reported, its logic is unit-tested
     out["overlap"] = link_overlap.measure(ctx.shapes.link_context, runtime="cuda" if ctx.on_cuda else "emulated")
-    out["overlap_required"] = ctx.on_cuda
-    keys = out["fp8_key_bytes_triton_vs_torch"] = fp8_key_bytes(ctx.device)
+    # a claim about the Triton engine: on the torch reference kernels (their host reads each layer) reported only
+    out["overlap_required"] = ctx.on_cuda and triton_refused is None
+    if triton_refused is None:
+        keys = out["fp8_key_bytes_triton_vs_torch"] = fp8_key_bytes(ctx.device)
+        keys_text = f"fp8 key bytes differing {keys['differing_bytes']} of {keys['bytes']}"
+    else:  # a Triton kernel check this device cannot run: recorded, not counted, nothing to judge
+        keys = ctx.skip("cp_engine: fp8 key bytes, Triton vs torch", triton_refused, counts=False) | {"passed": True}
+        out["fp8_key_bytes_triton_vs_torch"], keys_text = keys, "fp8 key bytes Triton vs torch skipped (sm89+)"
     out["cp2_fp8"] = cp_dtypes.fp8_run(ctx, model, scenario, out["cp2"], bf16_cost, ctx.reserve_after("cp_engine"))
     hb = out["happens_before"]
     legacy = hb["legacy"]["indexer_after_kv_bcast"].split(" of ")
     order_ok = hb["overlapped"]["indexer_after_kv_bcast"].startswith("0 of") and legacy[0] == legacy[1] != "0"
-    overlap_ok = out["overlap"]["passed"] or not ctx.on_cuda
+    overlap_ok = out["overlap"]["passed"] or not out["overlap_required"]
     fp8_ok = out["cp2_fp8"]["status"] != "failed"  # skipped: recorded in the skip list (the verdict says so)
+    # the verdict: what can fail on the device (agreement, order, overlap, key bytes); never the counted
+    # KV bytes or the predicted kernels (cp_dtypes), which are reported beside it
     out["passed"] = out["cp2"]["passed"] and fp8_ok and order_ok and overlap_ok and keys["passed"]
     out["summary"] = (f"cp=2 ({out['cp2']['backend']}): {cp_dtypes.summary(out['cp2'])}; "
                       f"{cp_dtypes.summary(out['cp2_fp8'])}; "
                       f"indexer after the KV broadcast: overlapped {hb['overlapped']['indexer_after_kv_bcast']}, "
                       f"legacy {hb['legacy']['indexer_after_kv_bcast']} (happens-before); "
-                      f"overlap measured: {out['overlap']['summary']}; fp8 key bytes differing "
-                      f"{keys['differing_bytes']} of {keys['bytes']}")
+                      f"overlap measured: {out['overlap']['summary']}; {keys_text}")
     return out
 
 
@@ -503,11 +537,24 @@ SECTIONS: tuple[tuple[str, Callable[[Context], dict]], ...] = (
 )
 
 
+# sections whose verdict rests on the engine's Triton kernels themselves (their timing under the stress's
+# dropped waits, the overlap benchmark, the sanitizer's registered ops): where those kernels cannot compile
+# (e4m3 below sm89: fp8_gate) there is nothing of theirs to check, so the section is skipped, not counted.
+# cp_engine runs on the torch kernels instead (section_cp_engine says why).
+TRITON_KERNEL_SECTIONS = ("hicache_stress", "hicache_overlap", "stream_sanitizer")
+
+
 def run_section(ctx: Context, name: str, fn: Callable[[Context], dict]) -> dict:
-    """Run one section unless its estimate no longer fits; an exception is recorded, never raised."""
+    """Run one section unless its estimate no longer fits or this device cannot run the kernels it checks
+    (``TRITON_KERNEL_SECTIONS``); an exception is recorded, never raised."""
+    from layersplit.gpu_check.cp_dtypes import kernels_refused
+
     estimate = dict(ctx.shapes.estimates_s)[name]
     if not ctx.deadline.allows(estimate):
         return ctx.skip(name, ctx.deadline.why_not(estimate)) | {"seconds": 0.0}
+    refused = kernels_refused(ctx.device, "bf16") if name in TRITON_KERNEL_SECTIONS else None
+    if refused is not None:
+        return ctx.skip(name, refused, counts=False) | {"seconds": 0.0}
     log(f"{name}: start ({ctx.deadline.left():.0f} s of budget left)")
     t0 = time.perf_counter()
     try:
@@ -543,7 +590,9 @@ def prepare_triton(mode: str) -> str | None:
         return None
     if torch.cuda.is_available():
         return "Triton on the CPU next to a GPU needs TRITON_INTERPRET=1 set at launch"
-    if any(m.startswith("dsa_kernels.triton_ops.") for m in sys.modules):
+    # the capability gate imports no Triton: it may be loaded already (the engine's device check reads it)
+    kernels = [m for m in sys.modules if m.startswith("dsa_kernels.triton_ops.") and not m.endswith(".fp8_gate")]
+    if kernels:
         return "Triton kernels were imported without TRITON_INTERPRET=1, so they cannot run on the CPU"
     os.environ["TRITON_INTERPRET"] = "1"
     return None

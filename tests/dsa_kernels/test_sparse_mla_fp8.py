@@ -242,10 +242,10 @@ class LaunchRecorder:
 @pytest.fixture
 def fake_sm(monkeypatch):
     """``fake_sm(major, minor)``: the Triton launcher sees its tensors on a CUDA device of that capability."""
-    from dsa_kernels.triton_ops import sparse_mla
+    from dsa_kernels.triton_ops import fp8_gate
 
     def set_sm(major: int, minor: int) -> None:
-        monkeypatch.setattr(sparse_mla, "_cuda_capability", lambda t: (major, minor))
+        monkeypatch.setattr(fp8_gate, "cuda_capability", lambda t: (major, minor))
     return set_sm
 
 
@@ -262,8 +262,9 @@ def test_fp8_cache_refused_below_sm89_before_launch(monkeypatch, fake_sm, sm):
     q, bf16, fp8, idx = build(3, 2, 8, 128, 16, 40, seed=5)
     fake_sm(*sm)
     _launcher_with_recorder(monkeypatch, refuse=True)
-    want = (rf"kv_cache: the fp8 KV cache \(uint8 rows, e4m3 read as tl.float8e4nv\) needs sm89\+ "
-            rf"\(Ada/Hopper/Blackwell\), got sm{sm[0]}{sm[1]} on device cpu; run with --kv-dtype bf16")
+    want = (rf"^sparse_mla_prefill on Triton: its kernel uses e4m3 \(tl.float8e4nv\), which Triton compiles for "
+            rf"sm89\+ only \(Ada/Hopper/Blackwell\), got sm{sm[0]}{sm[1]} on device cpu; set "
+            rf"LAYERSPLIT_KERNEL_BACKEND=torch to run the torch reference instead, or use --kv-dtype bf16 ")
     with pytest.raises(ValueError, match=want):
         op("sparse_mla_prefill", "triton", CPU)(q, fp8, idx, 0.1, 128)
     op("sparse_mla_prefill", "torch", CPU)(q, fp8, idx, 0.1, 128)  # the reference reads fp8 anywhere
@@ -299,7 +300,7 @@ def test_fp8_cache_passes_the_gate_on_sm89_plus_with_eight_warps(monkeypatch, fa
 
 def test_gate_reads_the_real_capability_only_on_cuda():
     """Off CUDA the seam answers None (nothing to gate: the interpreter, the CPU reference path)."""
-    from dsa_kernels.triton_ops.sparse_mla import _cuda_capability, fp8_unsupported
+    from dsa_kernels.triton_ops.fp8_gate import cuda_capability, e4m3_unsupported
 
     cache = torch.zeros(4, 164, dtype=torch.uint8)
-    assert _cuda_capability(cache) is None and fp8_unsupported(cache) is None
+    assert cuda_capability(cache) is None and e4m3_unsupported("sparse_mla_prefill", cache) is None

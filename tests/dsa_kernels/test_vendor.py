@@ -75,12 +75,12 @@ def fake_flashinfer(calls: list) -> types.ModuleType:
 def fake_gpu(monkeypatch):
     """CPU tensors pass for CUDA ones on an sm90 device (``sm``.``minor``), for the vendor gates and for
     the Triton fallback's fp8 gate alike; caches and the one-time log are reset."""
-    from dsa_kernels.triton_ops import sparse_mla as triton_mla
+    from dsa_kernels.triton_ops import fp8_gate
 
     state = {"sm": 9, "minor": 0, "mla_calls": [], "fi_calls": []}
     monkeypatch.setattr(vendor, "_on_cuda", lambda t: True)
     monkeypatch.setattr(vendor, "_capability", lambda dev: (state["sm"], state["minor"]))
-    monkeypatch.setattr(triton_mla, "_cuda_capability", lambda t: (state["sm"], state["minor"]))
+    monkeypatch.setattr(fp8_gate, "cuda_capability", lambda t: (state["sm"], state["minor"]))
     monkeypatch.setitem(sys.modules, "flashinfer", fake_flashinfer(state["fi_calls"]))
     install_fake_flash_mla(monkeypatch, "0.3.legacy", 2.0, state["mla_calls"], state)
     vendor.flash_mla_lse_base.cache_clear()
@@ -159,8 +159,8 @@ def test_fp8_fallback_refused_below_sm89(fake_gpu, sm):
     whose launcher refuses it below sm89 before any launch: field, expected, got, what to do."""
     fake_gpu["sm"], fake_gpu["minor"] = sm
     q, fp8, idx = fp8_inputs()
-    with pytest.raises(ValueError, match=rf"kv_cache: the fp8 KV cache .* needs sm89\+ \(Ada/Hopper/Blackwell\), "
-                                         rf"got sm{sm[0]}{sm[1]} on device cpu; run with --kv-dtype bf16"):
+    with pytest.raises(ValueError, match=rf"^sparse_mla_prefill on Triton: .* sm89\+ only \(Ada/Hopper/Blackwell\), "
+                                         rf"got sm{sm[0]}{sm[1]} on device cpu; set LAYERSPLIT_KERNEL_BACKEND=torch "):
         vendor.sparse_mla_prefill(q, fp8, idx, 0.07, 512)
     assert fake_gpu["mla_calls"] == []
 

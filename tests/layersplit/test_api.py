@@ -102,10 +102,31 @@ def test_prefill_checks_the_environment_as_the_cli_does(env, message, cpu_only, 
     for key, value in env.items():
         monkeypatch.setenv(key, value)
     monkeypatch.setattr("layersplit.engine.launcher.run_cp", lambda *a, **k: pytest.fail("a rank process started"))
-    monkeypatch.setattr("layersplit.engine.prefill.gpu_memory_bytes", lambda n: pytest.fail("the GPU probe started"))
+    monkeypatch.setattr("layersplit.engine.prefill.probe_gpus", lambda n: pytest.fail("the GPU probe started"))
     with pytest.raises(ValueError) as info:
         layersplit.prefill("tiny", cp=2, context_len=300)
     assert message in str(info.value)
+
+
+def test_prefill_probes_the_gpus_once_for_both_device_checks(monkeypatch):
+    """One child probe per call: the memory check and the kernel-capability check read the same facts (the
+    memory fits here, so the sm86 refusal shows the capability came from that one probe)."""
+    from layersplit.engine.prefill import GpuFacts
+
+    calls = []
+
+    def probe(devices: int) -> list[GpuFacts]:
+        calls.append(devices)
+        return [GpuFacts(2**40, 2**40, (8, 6))]
+
+    monkeypatch.delenv("LAYERSPLIT_KERNEL_BACKEND", raising=False)  # auto: Triton on CUDA
+    monkeypatch.setattr("layersplit.engine.prefill.probe_gpus", probe)
+    monkeypatch.setattr("layersplit.engine.prefill.available_memory_bytes", lambda: 2**40)
+    monkeypatch.setattr("layersplit.engine.launcher.run_cp", lambda *a, **k: pytest.fail("a rank process started"))
+    with pytest.raises(ValueError, match=r"^LAYERSPLIT_KERNEL_BACKEND: .* got sm86 on cuda:0; set "
+                                         r"LAYERSPLIT_KERNEL_BACKEND=torch"):
+        layersplit.prefill("tiny", cp=2, context_len=300)
+    assert calls == [1]
 
 
 def test_prefill_rejects_a_model_that_does_not_fit():

@@ -291,8 +291,7 @@ def pretend_machine(monkeypatch) -> None:
         monkeypatch.setattr(f"{where}.available_memory_bytes", lambda: MACHINE["host_bytes"])
     monkeypatch.setattr(resources, "gpu_free_bytes", lambda ranks: MACHINE["gpu_free_bytes"][:ranks])
     # prefill's own device checks (tests/layersplit/cli/test_prefill_cmd.py) see no GPU here, on any machine
-    monkeypatch.setattr("layersplit.engine.prefill.gpu_memory_bytes", lambda devices: None)
-    monkeypatch.setattr("layersplit.engine.prefill.gpu_capabilities", lambda devices: None)
+    monkeypatch.setattr("layersplit.engine.prefill.probe_gpus", lambda devices: None)
 
 
 @pytest.fixture

@@ -1,7 +1,8 @@
 """``layersplit prefill``: ``--timeout-s`` (checked at parse time, passed through, named when it fires), a
 report whose every count says whether it is per run or per rank (text and JSON, ``new_tokens_per_s`` and
-``request_tokens_per_s``), and the GPU-memory refusal, driven on a CPU through its seam
-(``layersplit.engine.prefill.gpu_memory_bytes``, which returns each device's ``(free, total)``)."""
+``request_tokens_per_s``), and the device refusals (GPU memory; a capability below sm89 where Triton's e4m3
+kernels would run), driven on a CPU through their one seam (``layersplit.engine.prefill.probe_gpus``, which
+returns each device's free and total bytes and capability, read once per prefill call)."""
 
 from __future__ import annotations
 
@@ -140,21 +141,22 @@ def _gpu_need(context_len: int, cp: int = 2) -> int:
 
 @pytest.fixture
 def gpu(monkeypatch):
-    """One GPU whose free bytes the test sets (``free[0]``); the host has plenty; nothing may be spawned."""
-    free, asked = [0], []
+    """One GPU whose free bytes (``free[0]``) and capability (``cap[0]``, sm90 unless set) the test sets; the
+    host has plenty; nothing may be spawned. ``asked``: the device count of each probe (one per prefill call)."""
+    free, asked, cap = [0], [], [(9, 0)]
 
-    def memory(devices: int) -> list[tuple[int, int]]:
+    def probe(devices: int) -> list[engine_prefill.GpuFacts]:
         asked.append(devices)
-        return [(free[0], 80 * 2**30)]
+        return [engine_prefill.GpuFacts(free[0], 80 * 2**30, cap[0])]
 
-    monkeypatch.setattr(engine_prefill, "gpu_memory_bytes", memory)
+    monkeypatch.setattr(engine_prefill, "probe_gpus", probe)
     monkeypatch.setattr(engine_prefill, "available_memory_bytes", lambda: 2**40)
     monkeypatch.setattr("layersplit.engine.launcher.run_cp", _no_spawn)
-    return free, asked
+    return free, asked, cap
 
 
 def test_gpu_refusal_names_the_largest_context_that_fits(gpu, capsys):
-    free, asked = gpu
+    free, asked, _ = gpu
     free[0] = _gpu_need(4096)  # 4,096 tokens fit exactly; 4,097 need a 65th page
     assert _gpu_need(4097) > free[0]
     assert main(["prefill", "--cp", "2", "--mode", "layersplit", "--context-len", "65536"]) == 2
@@ -164,6 +166,7 @@ def test_gpu_refusal_names_the_largest_context_that_fits(gpu, capsys):
     assert "2 rank process(es)" in err[0] and asked == [1]
     with pytest.raises(ValueError, match=r"^context_len: expected <= 4,096 on this GPU, got 65,536"):
         layersplit.prefill("tiny", cp=2, mode="layersplit", context_len=65536)
+    assert asked == [1, 1]  # one probe per prefill call
 
 
 def test_gpu_refusal_names_the_model_when_no_context_fits(gpu, capsys):
@@ -180,24 +183,42 @@ def test_gpu_that_fits_lets_the_run_start(gpu):
         layersplit.prefill("tiny", cp=2, mode="layersplit", context_len=4096)
 
 
-@pytest.mark.parametrize("cap,refused", [((8, 6), True), ((8, 0), True), ((8, 9), False), ((9, 0), False),
-                                         ((10, 0), False)], ids=["sm86", "sm80", "sm89", "sm90", "sm100"])
-def test_fp8_below_sm89_is_refused_before_any_rank_starts(cap, refused, monkeypatch, capsys):
-    """The fp8 sparse-MLA kernel reads e4m3, which does not compile below sm89: refused in the parent, from
-    a capability read in a child (the seam), not at the first attention inside the ranks."""
-    monkeypatch.setattr("torch.cuda.is_available", lambda: True)
-    monkeypatch.setattr("torch.cuda.device_count", lambda: 1)
-    monkeypatch.setattr(engine_prefill, "gpu_capabilities", lambda devices: [cap] * devices)
-    monkeypatch.setattr(engine_prefill, "check_memory", lambda *a, **k: None)
-    monkeypatch.setattr("lsconfig.envs.check_machine", lambda cuda: None)
-    monkeypatch.setattr("layersplit.engine.launcher.run_cp", _no_spawn)
-    argv = ["prefill", "--cp", "2", "--mode", "layersplit", "--context-len", "64", "--kv-dtype", "fp8"]
+@pytest.mark.parametrize("kv_dtype", ["bf16", "fp8"])
+@pytest.mark.parametrize("cap,backend,refused", [
+    ((8, 6), "auto", True), ((8, 0), "triton", True), ((8, 6), "torch", False), ((8, 9), "auto", False),
+    ((9, 0), "auto", False), ((10, 0), "triton", False),
+], ids=["sm86", "sm80-triton", "sm86-torch-kernels", "sm89", "sm90", "sm100"])
+def test_e4m3_kernels_below_sm89_refused_before_any_rank_starts(gpu, cap, backend, refused, kv_dtype, monkeypatch,
+                                                                capsys):
+    """On CUDA the engine's Triton kernels use e4m3 (the index keys in every KV dtype, the MLA cache too at
+    fp8), which does not compile below sm89: refused in the parent, from the one probe's capability, not at
+    the first index-key quantize inside the ranks. The torch reference kernels run anywhere."""
+    free, asked, caps = gpu
+    free[0], caps[0] = 80 * 2**30, cap
+    monkeypatch.setenv("LAYERSPLIT_KERNEL_BACKEND", backend)
+    monkeypatch.setattr("lsconfig.envs.check_machine", lambda cuda: None)  # "triton" on a CPU host: a GPU is faked
+    argv = ["prefill", "--cp", "2", "--mode", "layersplit", "--context-len", "64", "--kv-dtype", kv_dtype]
     if refused:
         assert main(argv) == 2
         err = capsys.readouterr().err.strip().splitlines()
-        assert err == [f"layersplit prefill: error: --kv-dtype: fp8 KV needs sm89+ (Ada, Hopper, Blackwell), got "
-                       f"sm{cap[0]}{cap[1]} on cuda:0; use bf16"], err
+        ops = "quantize_index_keys, dequantize_index_keys, indexer_scores" + (
+            ", pack_mla_kv, unpack_mla_kv, sparse_mla_prefill" if kv_dtype == "fp8" else "")
+        need = "index keys are e4m3 in every KV dtype" + (", and so is the fp8 MLA cache" if kv_dtype == "fp8" else "")
+        assert err == [f"layersplit prefill: error: LAYERSPLIT_KERNEL_BACKEND: {backend} picks Triton for {ops} "
+                       f"({need}), whose e4m3 needs sm89+ (Ada/Hopper/Blackwell), got sm{cap[0]}{cap[1]} on cuda:0; "
+                       "set LAYERSPLIT_KERNEL_BACKEND=torch to run the torch reference kernels (--kv-dtype bf16 alone "
+                       "does not avoid e4m3)"], err
     else:
-        with pytest.raises(AssertionError, match="rank process was started"):  # past every check: the launch is the next step
+        with pytest.raises(AssertionError, match="rank process was started"):  # past every check: the launch is next
             main(argv)
-    engine_prefill.check_fp8_devices(2, "bf16")  # bf16 is never gated
+    assert asked == [1]  # one child probe for the memory and the capability checks together
+
+
+def test_kernel_device_check_reads_only_the_facts_it_is_given():
+    """No facts (no CUDA, or the probe failed): nothing to refuse; sm89+ devices pass; the first device
+    below sm89 is named."""
+    sm90, sm86 = engine_prefill.GpuFacts(1, 2, (9, 0)), engine_prefill.GpuFacts(1, 2, (8, 6))
+    engine_prefill.check_kernel_devices(None, "fp8")
+    engine_prefill.check_kernel_devices([sm90, sm90], "fp8")
+    with pytest.raises(ValueError, match=r"got sm86 on cuda:1;"):
+        engine_prefill.check_kernel_devices([sm90, sm86], "bf16")

@@ -9,8 +9,10 @@
 * The vendor section with neither FlashMLA nor FlashInfer importable did not run: skipped, not ok.
 * Sparse MLA over the fp8 (656-byte) cache: the same bytes as the reference (the path's tolerance),
   and within fp8's error of the bf16 cache's output (relative RMS, cosine; NaN and -inf first), with
-  teeth; its kernel is Triton on the vendor backend too; below sm89 it is skipped, not run; FLOPs and
-  the 656-byte rows read are counted.
+  teeth; its kernel is Triton on the vendor backend too; FLOPs and the 656-byte rows read are counted,
+  as often as the kernel that ran loads them (Triton: once per ``BLOCK_H`` head block; FlashMLA: once).
+* Below sm89 every case whose Triton kernel uses e4m3 (``fp8_gate``) is skipped on Triton and vendor
+  with the launcher's own reason, not counted; the torch rows, and the cases without e4m3, still run.
 """
 
 from __future__ import annotations
@@ -139,9 +141,27 @@ def test_fp8_case_passes_on_triton_and_counts_656_byte_rows(seed):
     glm_bf16, glm_fp8 = _mla_cases(CUDA_SHAPES, torch.device("meta"))
     valid = 512 * 2048 - 1024 - 2048  # row 0 half -1, row 1 all -1
     assert "row=656 B" in glm_fp8.label and "row=1152 B" in glm_bf16.label
-    assert glm_fp8.bytes_read == valid * 656 + 512 * 64 * 576 * 2 + 512 * 2048 * 4
-    assert glm_bf16.bytes_read - glm_fp8.bytes_read == valid * (1152 - 656)
     assert glm_fp8.work == glm_bf16.work == 2 * 64 * (512 + 576) * valid and glm_fp8.peak == "flops_bf16"
+
+
+def test_sparse_mla_bytes_read_follow_the_kernel_that_ran():
+    """GLM-5's 64 heads: the Triton kernel's cdiv(64, BLOCK_H = 16) = 4 head blocks per token each gather
+    every selected row and the token's indices; FlashMLA (one group of <= 128 heads) and the torch
+    reference gather them once. q is read once either way."""
+    from dsa_kernels.triton_ops.sparse_mla import BLOCK_H
+
+    glm_bf16, glm_fp8 = _mla_cases(CUDA_SHAPES, torch.device("meta"))
+    valid, q_bytes, idx_bytes = 512 * 2048 - 1024 - 2048, 512 * 64 * 576 * 2, 512 * 2048 * 4
+    passes = -(-64 // BLOCK_H)
+    assert passes == 4
+    for kernel, n in (("triton", passes), ("triton (vendor fallback: kv_cache torch.uint8 ...)", passes),
+                      ("flash_mla sgl_kernel.flash_mla 0.4.1", 1), ("torch", 1)):
+        nbytes, what = glm_fp8.bytes_read(kernel)
+        assert nbytes == n * (valid * 656 + idx_bytes) + q_bytes, kernel
+        assert what.startswith(f"{n} * (valid_indices*656 + T*K*4) + T*H*(L+R)*2 (x{n}: "), what
+        assert glm_bf16.bytes_read(kernel)[0] - nbytes == n * valid * (1152 - 656)
+    assert f"cdiv(H=64, BLOCK_H={BLOCK_H})" in glm_fp8.bytes_read("triton")[1]
+    assert "FlashMLA" in glm_bf16.bytes_read("flash_mla x")[1] and "torch" in glm_bf16.bytes_read("torch")[1]
 
 
 def _with_cache(args: dict, kv: torch.Tensor):
@@ -195,21 +215,59 @@ def test_fp8_case_kernel_is_triton_on_the_vendor_backend(monkeypatch):
     assert fp8_case.kernel("vendor").startswith("triton (vendor fallback: ")
 
 
-def test_fp8_case_skipped_below_sm89_and_not_counted(monkeypatch):
-    """Below sm89 the fp8 kernel does not exist: the Triton and vendor rows are skipped with the gate's
-    reason (not counted: this device cannot run the path), the torch row still runs."""
-    from dsa_kernels.triton_ops import sparse_mla
+def _dry_cases() -> list:
+    gen = torch.Generator().manual_seed(0)
+    return [case for build in cases.CASE_BUILDERS for case in build(DRY_SHAPES, torch.device("cpu"), gen)]
+
+
+def test_every_e4m3_case_is_refused_as_its_launcher_refuses(monkeypatch):
+    """Below sm89 a case's ``refused`` is exactly its Triton launcher's: the same one-line reason where
+    the launcher raises, None where it runs (the bf16 MLA cache, the paged copies)."""
+    from dsa_kernels.dispatch import resolve
+    from dsa_kernels.triton_ops import fp8_gate
+
+    monkeypatch.setattr(fp8_gate, "cuda_capability", lambda t: (8, 6))
+    gated = []
+    for case in _dry_cases():
+        if case.fixed is not None:  # torch only (top-k): no Triton kernel
+            continue
+        reason = case.refused("triton") if case.refused else None
+        try:
+            case.make()(resolve(case.op, "cpu", "triton")[1])
+            raised = None
+        except ValueError as exc:
+            raised = str(exc)
+        assert reason == raised, case.label
+        assert case.refused is None or case.refused("torch") is None
+        if reason:
+            gated.append(case.label.split()[0])
+    assert gated == ["quantize_index_keys", "dequantize_index_keys", "pack_mla_kv[fp8]", "unpack_mla_kv[fp8]",
+                     "indexer_scores", "sparse_mla_prefill[fp8]"]
+
+
+def test_e4m3_cases_skipped_below_sm89_and_not_counted(monkeypatch):
+    """Below sm89 the e4m3 kernels do not exist: their Triton rows are skipped with the gate's reason (not
+    counted: this device cannot run the path); every torch row and the Triton rows without e4m3 still run."""
+    from dsa_kernels.triton_ops import fp8_gate
     from layersplit.gpu_check import run as gpu_run
 
-    bf16_case, fp8_case = _mla_cases()
-    assert bf16_case.refused is None and fp8_case.refused("triton") is None  # the CPU: nothing to gate
-    monkeypatch.setattr(sparse_mla, "_cuda_capability", lambda t: (8, 6))
-    assert fp8_case.refused("torch") is None
-    assert "needs sm89+" in fp8_case.refused("triton") and "got sm86" in fp8_case.refused("vendor")
+    _, fp8_case = _mla_cases()
+    assert fp8_case.refused("triton") is None  # the CPU: nothing to gate
+    monkeypatch.setattr(fp8_gate, "cuda_capability", lambda t: (8, 6))
+    assert "sm89+ only" in fp8_case.refused("triton") and "got sm86" in fp8_case.refused("vendor")
     ctx = gpu_run.Context("cpu-dry-run", torch.device("cpu"), DRY_SHAPES, gpu_run.Deadline(100),
                           gpu_run.h200_peaks(), ("torch", "triton"))
-    rows = []
-    gpu_run._run_op(ctx, fp8_case, rows, gpu_run.Deadline(100), [])
-    assert [r["backend"] for r in rows] == ["torch"] and rows[0]["read_GBps"] > 0 and rows[0]["bytes_read"] > 0
-    assert [(s["counts"], "needs sm89+" in s["reason"]) for s in ctx.skipped] == [(False, True)]
-    assert ctx.skipped[0]["what"] == f"kernels: {fp8_case.label} [triton]"
+    rows, all_cases = [], _dry_cases()
+    for case in all_cases:
+        gpu_run._run_op(ctx, case, rows, gpu_run.Deadline(100), [])
+    assert all(r["passed"] for r in rows), [r["check"] for r in rows if not r["passed"]]
+    triton = [r["label"].split()[0] for r in rows if r["backend"] == "triton"]
+    assert triton == ["pack_mla_kv[bf16]", "unpack_mla_kv[bf16]", "sparse_mla_prefill[bf16]", "gather_pages",
+                      "scatter_pages"]
+    assert len([r for r in rows if r["backend"] == "torch"]) == len(all_cases)
+    assert [s["what"].split()[1] for s in ctx.skipped] == [
+        "quantize_index_keys", "dequantize_index_keys", "pack_mla_kv[fp8]", "unpack_mla_kv[fp8]", "indexer_scores",
+        "sparse_mla_prefill[fp8]"]
+    assert all(not s["counts"] and "got sm86" in s["reason"] and s["what"].endswith("[triton]") for s in ctx.skipped)
+    fp8_row = next(r for r in rows if r["label"] == fp8_case.label)
+    assert fp8_row["read_GBps"] > 0 and fp8_row["bytes_read"] > 0 and "torch reference" in fp8_row["bytes_formula"]
