@@ -180,7 +180,10 @@ def probe_gpus(devices: int) -> list[GpuFacts] | None:
                                timeout=120, check=True)
         rows = json.loads(probe.stdout.strip().splitlines()[-1])
         return [GpuFacts(int(free), int(total), (int(major), int(minor))) for free, total, major, minor in rows]
-    except (OSError, subprocess.SubprocessError, ValueError, IndexError, TypeError):
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError, TypeError) as exc:
+        # the memory and capability checks are off for this run: say so (the ranks' own gates still refuse)
+        print(f"layersplit: the GPU probe failed ({type(exc).__name__}): GPU memory and compute capability are "
+              "not checked before the ranks start", file=sys.stderr, flush=True)
         return None
 
 

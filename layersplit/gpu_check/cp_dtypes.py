@@ -148,6 +148,9 @@ def summary(run: dict) -> str:
     if run["status"] == "skipped" or "error" in run:
         return f"{run['kv_dtype']} {run['status']}: {run.get('reason') or run.get('error')}"
     per_layer = sorted({n for rank in run["bcast_kv_bytes_per_layer_by_rank_counted"] for n in rank.values()})
+    vs_bf16 = run.get("bcast_kv_bytes_vs_bf16_counted")  # not a verdict, but never hidden when it disagrees
+    ratio = "" if vs_bf16 is None else (", fp8/bf16 bytes " + ("consistent" if vs_bf16["consistent"] else
+                                                                 "INCONSISTENT with the row sizes"))
     return (f"{run['kv_dtype']} {run['status']} {run['check']}, {run['seconds']:.3f} s, KV broadcast "
-            f"{'/'.join(str(n) for n in per_layer)} B per layer counted ({run['kv_row_bytes']} B rows), sparse MLA "
-            f"predicted on {run['kernels_predicted']['sparse_mla_prefill']}")
+            f"{'/'.join(str(n) for n in per_layer)} B per layer counted ({run['kv_row_bytes']} B rows){ratio}, "
+            f"sparse MLA predicted on {run['kernels_predicted']['sparse_mla_prefill']}")

@@ -282,7 +282,7 @@ def run_case(ctx: Context, case: OpCase, backend: str, fn: Callable, want) -> di
     row |= {"median_ms": seconds * 1e3, "repeats": ctx.shapes.repeats} | _rate(case, seconds, ctx, row["kernel"])
     log(f"{case.label:<52} {row['kernel'][:40]:<6} {'ok' if row['passed'] else 'FAILED':<6} {row['median_ms']:9.3f} ms "
         f"{row['achieved']:9.3f} {row['rate_unit']} (H200 {case.peak} {row['peak']:.0f})"
-        + (f" {row['read_GBps']:.3f} GB/s read (H200 hbm {row['hbm_peak_GBps']:.0f}; counted as {row['bytes_formula']})"
+        + (f" {row['read_GBps']:.3f} GB/s loaded, L2 + HBM (H200 hbm {row['hbm_peak_GBps']:.0f}; counted as {row['bytes_formula']})"
            if "read_GBps" in row else "")
         + f" {row['check']}")
     return row
@@ -552,12 +552,14 @@ def run_section(ctx: Context, name: str, fn: Callable[[Context], dict]) -> dict:
     estimate = dict(ctx.shapes.estimates_s)[name]
     if not ctx.deadline.allows(estimate):
         return ctx.skip(name, ctx.deadline.why_not(estimate)) | {"seconds": 0.0}
-    refused = kernels_refused(ctx.device, "bf16") if name in TRITON_KERNEL_SECTIONS else None
-    if refused is not None:
-        return ctx.skip(name, refused, counts=False) | {"seconds": 0.0}
-    log(f"{name}: start ({ctx.deadline.left():.0f} s of budget left)")
     t0 = time.perf_counter()
     try:
+        # inside the try: asking for the kernels can itself raise (a sticky CUDA error from an earlier
+        # section, a Triton that fails to import), and that is this section's failure, not the run's
+        refused = kernels_refused(ctx.device, "bf16") if name in TRITON_KERNEL_SECTIONS else None
+        if refused is not None:
+            return ctx.skip(name, refused, counts=False) | {"seconds": 0.0}
+        log(f"{name}: start ({ctx.deadline.left():.0f} s of budget left)")
         result = fn(ctx)
         status = "ok" if result.get("passed", True) else "failed"
         if result.get("ran") is False:  # a section with nothing to run here is not "ok"

@@ -9,6 +9,9 @@ from __future__ import annotations
 import json
 import os
 import re
+import subprocess
+import sys
+import textwrap
 from functools import lru_cache
 from pathlib import Path
 
@@ -222,3 +225,41 @@ def test_kernel_device_check_reads_only_the_facts_it_is_given():
     engine_prefill.check_kernel_devices([sm90, sm90], "fp8")
     with pytest.raises(ValueError, match=r"got sm86 on cuda:1;"):
         engine_prefill.check_kernel_devices([sm90, sm86], "bf16")
+
+
+# the probe itself (every other test replaces it whole) -------------------------------------------
+
+def test_probe_parses_the_childs_last_line(monkeypatch):
+    monkeypatch.setattr("torch.cuda.is_available", lambda: True)
+
+    def fake_run(argv, **kwargs):
+        return subprocess.CompletedProcess(argv, 0, stdout="a warning\n[[100, 200, 9, 0]]\n", stderr="")
+
+    monkeypatch.setattr(engine_prefill.subprocess, "run", fake_run)
+    assert engine_prefill.probe_gpus(1) == [engine_prefill.GpuFacts(100, 200, (9, 0))]
+    assert engine_prefill.gpu_memory_bytes(1) == [(100, 200)]
+    engine_prefill.check_kernel_devices(engine_prefill.probe_gpus(1), "fp8")  # sm90: no refusal
+
+
+def test_a_failed_probe_says_the_checks_are_off(monkeypatch, capsys):
+    monkeypatch.setattr("torch.cuda.is_available", lambda: True)
+
+    def boom(argv, **kwargs):
+        raise subprocess.CalledProcessError(1, argv, "", "RuntimeError: CUDA error")
+
+    monkeypatch.setattr(engine_prefill.subprocess, "run", boom)
+    assert engine_prefill.probe_gpus(1) is None
+    assert "GPU memory and compute capability are not checked" in capsys.readouterr().err
+
+
+def test_the_probe_script_reads_every_device():
+    """The child's script, run against a stand-in torch module: one row per device, capability included."""
+    fake = textwrap.dedent("""
+        import sys, types
+        torch = types.ModuleType("torch")
+        torch.cuda = types.SimpleNamespace(mem_get_info=lambda d: (1 + d, 2 + d), get_device_capability=lambda d: (9, 0))
+        sys.modules["torch"] = torch
+    """)
+    out = subprocess.run([sys.executable, "-c", fake + engine_prefill._GPU_PROBE, "2"], capture_output=True,
+                         text=True, check=True)
+    assert json.loads(out.stdout) == [[1, 2, 9, 0], [2, 3, 9, 0]]

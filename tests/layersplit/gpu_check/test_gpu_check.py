@@ -175,3 +175,19 @@ def test_failing_section_is_recorded_and_the_rest_runs(tmp_path, monkeypatch):
     assert report["sections"]["hicache_overlap"]["status"] == "ok"
     assert gpu_check.exit_code(report) == 1
     assert "| kernels | failed |" in (tmp_path / gpu_check.MD_NAME).read_text()
+
+
+@pytest.mark.parametrize("name", gpu_check.TRITON_KERNEL_SECTIONS)
+def test_asking_for_the_kernels_fails_the_section_not_the_run(name, monkeypatch):
+    """The below-sm89 question runs inside the section's try: an error there (a sticky CUDA error from an
+    earlier section, a Triton that fails to import) is that section's failure, recorded, never raised."""
+    from layersplit.gpu_check import cp_dtypes
+
+    def boom(device, kv_dtype):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    monkeypatch.setattr(cp_dtypes, "kernels_refused", boom)
+    ctx = gpu_check.Context("cpu-dry-run", torch.device("cpu"), gpu_check.DRY_SHAPES, gpu_check.Deadline(100),
+                            gpu_check.h200_peaks(), ("torch", "triton"))
+    entry = gpu_check.run_section(ctx, name, lambda c: {"passed": True})
+    assert entry["status"] == "failed" and "illegal memory access" in entry["error"]
